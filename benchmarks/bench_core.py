@@ -1,0 +1,111 @@
+"""sidra_core benchmarks: analog linear against a float32 matmul, and ISPP of BERT-base.
+
+Run: python benchmarks/bench_core.py [--mvm] [--ispp] [--repeat N]
+Prints ratios measured in this run; the machine is noisy, so each timing is
+the median of several repeats after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sidra_core as sc
+
+
+def _median_time(fn, repeat: int) -> float:
+    fn()  # warm-up (compilation)
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_mvm(repeat: int) -> list[dict]:
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows_out = []
+    spec = sc.preset("y1")
+    chip = sc.Chip(spec=spec, seed=0)
+    rs = np.random.default_rng(0)
+    for k, n in ((768, 3072), (3072, 768)):
+        w = rs.standard_normal((k, n)).astype(np.float32) * 0.05
+        res = chip.program(w, name=f"{k}x{n}")
+        for rows in (128, 512):
+            x = rs.standard_normal((rows, k)).astype(np.float32)
+            xj, wj = jnp.asarray(x), jnp.asarray(w)
+            xt, wt = torch.from_numpy(x), torch.from_numpy(w)
+            dot = jax.jit(jnp.dot)
+            t_torch = _median_time(lambda: torch.matmul(xt, wt), repeat)
+            t_jax = _median_time(lambda: dot(xj, wj).block_until_ready(), repeat)
+            t_sidra = _median_time(lambda: chip.linear(res, xj).block_until_ready(), repeat)
+            base = min(t_torch, t_jax)
+            rows_out.append({
+                "shape": f"{rows}x{k} @ {k}x{n}", "torch_ms": t_torch * 1e3, "jax_ms": t_jax * 1e3,
+                "sidra_y1_ms": t_sidra * 1e3, "ratio": t_sidra / base,
+            })
+    return rows_out
+
+
+def bench_ispp() -> dict:
+    """Program every linear weight of BERT-base (12 layers: Q, K, V, O, FF1, FF2; ~85 M weights)."""
+    spec = sc.preset("y1")
+    chip = sc.Chip(spec=spec, seed=0)
+    rs = np.random.default_rng(1)
+    shapes = [(768, 768)] * 4 + [(768, 3072), (3072, 768)]
+    total = 0
+    pulses = 0
+    t0 = time.perf_counter()
+    for layer in range(12):
+        for i, (k, n) in enumerate(shapes):
+            w = (rs.standard_normal((k, n), dtype=np.float32) * 0.04)
+            res = chip.program(w, name=f"layer{layer}.{i}")
+            total += w.size
+            pulses += res.state.programming.pulses
+            # Keep only what a resident weight needs; the host copy of w goes away like a model's would.
+            del w
+    wall = time.perf_counter() - t0
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    c = chip.clock.counters
+    return {
+        "weights": total, "tiles": chip.tiles_in_use, "wall_s": wall, "ns_per_weight": wall / total * 1e9,
+        "pulses": pulses, "mean_pulses_per_written_cell": pulses / max(c.cells_programmed, 1),
+        "peak_rss_gb": peak_gb, "simulated_programming_s": c.time_s, "programming_energy_mj": c.energy_j * 1e3,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--mvm", action="store_true", help="only the analog linear benchmark")
+    ap.add_argument("--ispp", action="store_true", help="only the ISPP programming benchmark")
+    ap.add_argument("--repeat", type=int, default=15)
+    a = ap.parse_args(argv)
+    both = not (a.mvm or a.ispp)
+    if a.mvm or both:
+        print("y1 analog linear (DAC, per-tile read noise, drift, stuck cells, ADC) vs float32 matmul")
+        print(f"{'shape':<22}{'torch ms':>10}{'jax ms':>10}{'sidra ms':>10}{'ratio':>8}  (target <= 2.0, stretch 1.5)")
+        for r in bench_mvm(a.repeat):
+            print(f"{r['shape']:<22}{r['torch_ms']:>10.2f}{r['jax_ms']:>10.2f}{r['sidra_y1_ms']:>10.2f}{r['ratio']:>8.2f}")
+    if a.ispp or both:
+        r = bench_ispp()
+        print("\nISPP write-verify of BERT-base's linear layers under y1")
+        for key, v in r.items():
+            print(f"  {key:<32}{v:,.3f}" if isinstance(v, float) else f"  {key:<32}{v:,}")
+        print(f"  target: wall <= 20 s -> {'met' if r['wall_s'] <= 20 else 'MISSED'}; "
+              f"peak memory < 6 GB -> {'met' if r['peak_rss_gb'] < 6 else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

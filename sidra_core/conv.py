@@ -1,0 +1,77 @@
+"""Convolutions on the crossbar: im2col patches through the same MVM kernel.
+
+A convolution weight (C_out, C_in / groups, *kernel) becomes one matrix of
+shape (C_in * prod(kernel), C_out): block-diagonal over the groups, because
+each group's output channels see only that group's input channels. The zero
+blocks are cells at G_min, exactly as a naive group mapping would program them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .crossbar import Snapshot, mvm
+
+
+def weight_matrix(w, groups: int = 1) -> np.ndarray:
+    """(C_out, C_in/g, *k) conv weight -> (C_in * prod(k), C_out) crossbar matrix."""
+    w = np.asarray(w, np.float32)
+    c_out, c_in_g = w.shape[:2]
+    if groups < 1 or c_out % groups:
+        raise ValueError(f"groups = {groups} must divide the {c_out} output channels")
+    k = int(np.prod(w.shape[2:], dtype=np.int64))
+    kg, ng = c_in_g * k, c_out // groups
+    flat = w.reshape(groups, ng, kg)  # group, out-channel in group, (c_in, *kernel)
+    m = np.zeros((groups, kg, groups, ng), np.float32)
+    g = np.arange(groups)
+    m[g, :, g, :] = flat.transpose(0, 2, 1)
+    return m.reshape(groups * kg, c_out)
+
+
+def _norm(v, nd: int, name: str) -> tuple[int, ...]:
+    v = (v,) * nd if isinstance(v, int) else tuple(int(a) for a in v)
+    if len(v) != nd:
+        raise ValueError(f"{name} needs {nd} values for a {nd}-d convolution, got {v}")
+    return v
+
+
+@partial(jax.jit, static_argnames=("kernel", "stride", "padding", "dilation", "dac_bits", "adc_bits"))
+def conv(snap: Snapshot, x, seed=None, bias=None, *, kernel, stride, padding, dilation, dac_bits=8, adc_bits=8):
+    """N-d convolution (x: (N, C_in, *spatial)) as crossbar MVMs over im2col patches."""
+    patches = lax.conv_general_dilated_patches(
+        x.astype(jnp.float32), filter_shape=kernel, window_strides=stride,
+        padding=tuple((p, p) for p in padding), rhs_dilation=dilation,
+        precision=lax.Precision.HIGHEST,
+    )  # (N, C_in * prod(kernel), *out)
+    n, f = patches.shape[:2]
+    out_sp = patches.shape[2:]
+    rows = jnp.moveaxis(patches.reshape(n, f, -1), 1, 2)  # (N, positions, features)
+    y = mvm(snap, rows, seed, bias, dac_bits=dac_bits, adc_bits=adc_bits)  # (N, positions, C_out)
+    return jnp.moveaxis(y, 2, 1).reshape(n, -1, *out_sp)
+
+
+def conv_args(w_shape, stride=1, padding=0, dilation=1) -> dict:
+    """Normalise conv hyper-parameters for `conv` from the weight shape."""
+    nd = len(w_shape) - 2
+    if nd not in (1, 2, 3):
+        raise ValueError(f"convolution weight must be 3-, 4- or 5-d, got shape {tuple(w_shape)}")
+    return {
+        "kernel": tuple(int(k) for k in w_shape[2:]),
+        "stride": _norm(stride, nd, "stride"),
+        "padding": _norm(padding, nd, "padding"),
+        "dilation": _norm(dilation, nd, "dilation"),
+    }
+
+
+def output_positions(x_shape, w_shape, stride=1, padding=0, dilation=1) -> int:
+    """Number of output positions (MVM rows per image) of a convolution."""
+    a = conv_args(w_shape, stride, padding, dilation)
+    pos = 1
+    for size, k, s, p, d in zip(x_shape[2:], a["kernel"], a["stride"], a["padding"], a["dilation"]):
+        pos *= (size + 2 * p - d * (k - 1) - 1) // s + 1
+    return pos

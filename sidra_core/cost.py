@@ -1,0 +1,155 @@
+"""Cost model: latency and energy of every device operation, from shapes and the spec.
+
+Pure Python over shapes (no tracing), so the eager bridge, the compiled
+bridge and the JAX bridge price the same operation identically, and a model
+can be priced without running it (a dry run).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from .mapping import tile_grid
+from .spec import ChipSpec
+
+COMPONENTS = ("dac", "array", "adc", "accum", "engine", "memory", "host", "chip_link", "programming")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Latency (s) and energy (J) by component of one operation or a sequence of them."""
+
+    latency_s: float = 0.0
+    dac: float = 0.0
+    array: float = 0.0
+    adc: float = 0.0
+    accum: float = 0.0
+    engine: float = 0.0
+    memory: float = 0.0
+    host: float = 0.0
+    chip_link: float = 0.0
+    programming: float = 0.0
+
+    @property
+    def energy_j(self) -> float:
+        return sum(getattr(self, c) for c in COMPONENTS)
+
+    def energy_by_component(self) -> dict[str, float]:
+        return {c: getattr(self, c) for c in COMPONENTS}
+
+    def __add__(self, other: "Cost") -> "Cost":
+        """Run one after the other: latencies and energies add."""
+        return Cost(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Cost)))
+
+    def alongside(self, other: "Cost") -> "Cost":
+        """Run in parallel on distinct hardware: the latency is the longer one."""
+        summed = self + other
+        return Cost(max(self.latency_s, other.latency_s), *(getattr(summed, c) for c in COMPONENTS))
+
+    def scaled(self, k: float) -> "Cost":
+        return Cost(*(getattr(self, f.name) * k for f in fields(Cost)))
+
+
+ZERO = Cost()
+_PJ = 1e-12
+
+
+def _check_dims(**dims):
+    for name, v in dims.items():
+        if int(v) != v or v < 0:
+            raise ValueError(f"cost model: {name} = {v!r} must be a non-negative integer")
+
+
+def mvm(rows: int, k: int, n: int, spec: ChipSpec) -> Cost:
+    """`rows` input vectors through a K x N weight on its tiles.
+
+    All tiles of the weight work in parallel on one input vector; vectors
+    stream through one after another (the accumulation of the previous
+    vector overlaps the next read). Energy counts every tile's DACs, cells,
+    ADC conversions and the digital sum of the partial results.
+    """
+    _check_dims(rows=rows, k=k, n=n)
+    if rows == 0:
+        return ZERO
+    g = tile_grid(k, n, spec)
+    c, t = spec.cost, spec.tile
+    reads = rows * g.tiles
+    bytes_io = rows * (k + 4 * n)  # INT8 inputs in, INT32/fp32 results out of the SRAM buffers
+    return Cost(
+        latency_s=rows * c.tile_mvm_s + (g.grid_k - 1) * c.accum_s_per_tile,
+        dac=reads * t.rows * c.dac_pj * _PJ,
+        array=reads * t.rows * t.cols * c.array_pj_per_mac * _PJ,
+        adc=reads * t.cols * c.adc_pj * _PJ,
+        accum=rows * g.grid_k * g.n_padded * c.accum_pj * _PJ,
+        memory=bytes_io * spec.memory.sram_pj_per_byte * _PJ,
+    )
+
+
+def conv(n_images: int, positions: int, k: int, c_out: int, spec: ChipSpec) -> Cost:
+    """A convolution is `n_images x positions` MVM rows on its (C_in prod(kernel)) x C_out matrix."""
+    return mvm(n_images * positions, k, c_out, spec)
+
+
+# Engine work per output element for the element-wise and normalising ops.
+OPS_PER_ELEMENT = {
+    "relu": 1, "tanh": 6, "sigmoid": 6, "silu": 7, "gelu": 8, "gelu_tanh": 8,
+    "softmax": 5, "log_softmax": 6, "layer_norm": 8, "rms_norm": 6, "batch_norm": 4,
+    "add": 1, "mul": 1, "elementwise": 1,
+}
+
+
+def engine(op: str, numel: int, spec: ChipSpec) -> Cost:
+    """An element-wise or normalising op on the compute engine."""
+    if op not in OPS_PER_ELEMENT:
+        raise ValueError(f"cost model: unknown engine op {op!r}; known: {sorted(OPS_PER_ELEMENT)}")
+    _check_dims(numel=numel)
+    ops = numel * OPS_PER_ELEMENT[op]
+    return _engine_ops(ops, 4 * numel, spec)
+
+
+def engine_matmul(batch: int, m: int, k: int, n: int, spec: ChipSpec) -> Cost:
+    """Activation x activation matmul on the engine (INT8 MACs, 2 ops each)."""
+    _check_dims(batch=batch, m=m, k=k, n=n)
+    return _engine_ops(2 * batch * m * k * n, batch * (m * k + k * n + 4 * m * n), spec)
+
+
+def _engine_ops(ops: int, io_bytes: int, spec: ChipSpec) -> Cost:
+    e = spec.engine
+    return Cost(
+        latency_s=(e.launch_s + ops / e.ops_per_s) if ops else 0.0,
+        engine=ops * e.pj_per_op * _PJ,
+        memory=io_bytes * spec.memory.sram_pj_per_byte * _PJ,
+    )
+
+
+def memory(nbytes: int, spec: ChipSpec) -> Cost:
+    """Device memory (DRAM) traffic, e.g. an embedding lookup or a tensor copy."""
+    _check_dims(nbytes=nbytes)
+    m = spec.memory
+    return Cost(latency_s=nbytes / m.dram_bw, memory=nbytes * m.dram_pj_per_byte * _PJ)
+
+
+def host_transfer(nbytes: int, spec: ChipSpec, transfers: int = 1) -> Cost:
+    """Data over the host link (PCIe-like): a latency per transfer plus bytes / bandwidth."""
+    _check_dims(nbytes=nbytes, transfers=transfers)
+    if transfers == 0:
+        return ZERO
+    m = spec.memory
+    return Cost(latency_s=transfers * m.host_latency_s + nbytes / m.host_bw, host=nbytes * m.host_pj_per_byte * _PJ)
+
+
+def chip_link(nbytes: int, spec: ChipSpec) -> Cost:
+    """Partial results crossing between chips of a multi-chip system."""
+    _check_dims(nbytes=nbytes)
+    m = spec.memory
+    return Cost(latency_s=nbytes / m.chip_link_bw, chip_link=nbytes * m.chip_link_pj_per_byte * _PJ)
+
+
+def programming(pulses: int, spec: ChipSpec) -> Cost:
+    """Write-verify pulses: `tiles_programmed_in_parallel` tiles, each writing
+    `rows_programmed_in_parallel` word lines at a time."""
+    _check_dims(pulses=pulses)
+    c = spec.cost
+    lanes = c.tiles_programmed_in_parallel * c.rows_programmed_in_parallel
+    return Cost(latency_s=math.ceil(pulses / lanes) * c.pulse_s, programming=pulses * c.pulse_pj * _PJ)

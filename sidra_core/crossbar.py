@@ -1,0 +1,494 @@
+"""Crossbar tiles: programmed state, drift, and the analog MVM kernel.
+
+A K x N weight is padded to a grid of `grid_k x grid_n` tiles and held as
+two conductance arrays G+ and G- (the differential pair). Code c >= 0 is
+`G+ = G_min + c dG, G- = G_min`, code c < 0 the mirror; `dG = (G_max -
+G_min) / 127`. In the `float` weight mode (ideal chip) the pair holds the
+float weight itself with dG = 1 and G_min = 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import rng
+from .ispp import program_cells
+from .mapping import TileGrid, tile_grid
+from .quant import QMAX, QuantisedWeight, from_int8, quantise_rows, quantise_weight
+from .spec import ChipSpec
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["k", "n", "rows", "cols"])
+@dataclass(frozen=True)
+class _Shape:
+    k: int
+    n: int
+    rows: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class ProgrammedWeight:
+    """The programmed state of one weight on its tiles (host arrays, padded to the grid).
+
+    Conductances are in siemens; `t_prog` is the device time (s) each weight
+    cell pair was last written, `nu_*` the per-cell drift exponents, `writes_*`
+    the per-cell write (pulse) counts for endurance.
+    """
+
+    grid: TileGrid
+    codes: np.ndarray  # int8 (Kp, Np): target codes (float mode: unused zeros)
+    target_w: np.ndarray | None  # float32 (Kp, Np) weights in float mode, else None
+    scale: np.ndarray  # float32 (N,): float value of one code per output column
+    g_plus: np.ndarray  # float32 (Kp, Np)
+    g_minus: np.ndarray
+    nu_plus: np.ndarray  # float32 (Kp, Np), 0 where no drift
+    nu_minus: np.ndarray
+    stuck_plus: np.ndarray  # int8 (Kp, Np): 0 ok, -1 stuck at G_min, +1 stuck at G_max
+    stuck_minus: np.ndarray
+    t_prog: np.ndarray  # float32 (Kp, Np)
+    writes_plus: np.ndarray  # int32 (Kp, Np)
+    writes_minus: np.ndarray
+    adc_full_scale: np.ndarray  # float32 (grid_k, Np): per tile-column range in code units
+    ref_sum: np.ndarray  # float32 (grid_k, grid_n): reference read right after programming
+    first_tile: int
+    programming: "ProgrammingReport"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.grid.k, self.grid.n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            a.nbytes for a in dataclasses.astuple(self) if isinstance(a, np.ndarray)
+        )
+
+
+@dataclass(frozen=True)
+class ProgrammingReport:
+    """What one (re)programming did: cells written, pulses, and the endurance state."""
+
+    cells_written: int
+    pulses: int
+    max_pulses_cell: int
+    max_writes_cell: int
+    endurance_exceeded: int  # cells past the endurance limit
+
+    def __add__(self, other: "ProgrammingReport") -> "ProgrammingReport":
+        return ProgrammingReport(
+            self.cells_written + other.cells_written,
+            self.pulses + other.pulses,
+            max(self.max_pulses_cell, other.max_pulses_cell),
+            max(self.max_writes_cell, other.max_writes_cell),
+            self.endurance_exceeded + other.endurance_exceeded,
+        )
+
+
+def _conductance_pair(codes: np.ndarray, target_w, spec: ChipSpec):
+    """Target (G+, G-) of every cell, in siemens (float mode: the weight itself)."""
+    if target_w is not None:
+        return np.maximum(target_w, 0).astype(np.float32), np.maximum(-target_w, 0).astype(np.float32)
+    t = spec.tile
+    dg = (t.g_max - t.g_min) / QMAX
+    c = codes.astype(np.float32)
+    return (t.g_min + np.maximum(c, 0) * dg).astype(np.float32), (t.g_min + np.maximum(-c, 0) * dg).astype(np.float32)
+
+
+def _cell_ids(grid: TileGrid, first_tile: int) -> np.ndarray:
+    """Physical id of every cell of the padded grid: tile index x cells + row x cols + col."""
+    kp, np_ = grid.k_padded, grid.n_padded
+    r = np.arange(kp, dtype=np.uint32)[:, None]
+    c = np.arange(np_, dtype=np.uint32)[None, :]
+    tile = first_tile + (r // grid.rows) * grid.grid_n + (c // grid.cols)
+    return (tile * np.uint32(grid.rows * grid.cols) + (r % grid.rows) * np.uint32(grid.cols) + (c % grid.cols)).astype(np.uint32)
+
+
+@partial(jax.jit, static_argnames=("rates",))
+def _stuck_map(ids, seed, rates):
+    off, on = rates
+    u = rng.uniform(seed, ids)
+    return jnp.where(u < off, jnp.int8(-1), jnp.where(u < off + on, jnp.int8(1), jnp.int8(0)))
+
+
+def _stuck(ids: np.ndarray, plane: int, spec: ChipSpec) -> np.ndarray:
+    """Stuck cells are a property of the physical chip: keyed by the chip seed and cell id only."""
+    n = spec.noise
+    if n.stuck_off_rate == 0 and n.stuck_on_rate == 0:
+        return np.zeros(ids.shape, np.int8)
+    return np.asarray(_stuck_map(ids, np.uint32(rng.seed32(spec.seed, 0x57AC, plane)), (n.stuck_off_rate, n.stuck_on_rate)))
+
+
+@partial(jax.jit, static_argnames=("mean", "std"))
+def _draw_nu(ids, seed, mean, std):
+    return jnp.maximum(mean + std * rng.normal(seed, ids), 0.0)
+
+
+def _nu(ids, plane, seed, spec: ChipSpec) -> np.ndarray:
+    n = spec.noise
+    if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
+        return np.zeros(ids.shape, np.float32)
+    return np.asarray(_draw_nu(ids, np.uint32(rng.seed32(seed, 0xD21F7, plane)), n.drift_nu_mean, n.drift_nu_std))
+
+
+def _adc_full_scale(codes: np.ndarray, target_w, grid: TileGrid, spec: ChipSpec) -> np.ndarray:
+    """ADC range of each tile column: a fraction of the largest sum the column can produce."""
+    w = np.abs(target_w) if target_w is not None else np.abs(codes.astype(np.float32))
+    per_tile = w.reshape(grid.grid_k, grid.rows, grid.n_padded).sum(axis=1)
+    qmax_in = 2 ** (spec.dac.bits - 1) - 1 if spec.dac.enabled else 1.0
+    fs = spec.adc.full_scale * qmax_in * per_tile
+    return np.where(fs > 0, fs, 1.0).astype(np.float32)
+
+
+def _tile_sums(gp: np.ndarray, gm: np.ndarray, grid: TileGrid) -> np.ndarray:
+    return (gp + gm).reshape(grid.grid_k, grid.rows, grid.grid_n, grid.cols).sum(axis=(1, 3), dtype=np.float64).astype(np.float32)
+
+
+def _pad(a: np.ndarray, grid: TileGrid, fill=0) -> np.ndarray:
+    out = np.full((grid.k_padded, grid.n_padded), fill, dtype=a.dtype)
+    out[: grid.k, : grid.n] = a
+    return out
+
+
+def program(
+    w=None,
+    spec: ChipSpec | None = None,
+    *,
+    seed: int = 0,
+    t_now: float = 0.0,
+    first_tile: int = 0,
+    quantised: QuantisedWeight | None = None,
+) -> ProgrammedWeight:
+    """Program a K x N float weight (or existing INT8 codes) onto fresh tiles.
+
+    Fresh cells start at G_min; ISPP writes every cell towards its target.
+    `first_tile` is the physical index of the first tile, which fixes the
+    stuck cells together with the chip seed.
+    """
+    if spec is None:
+        raise ValueError("program() needs a ChipSpec")
+    if quantised is None:
+        if w is None:
+            raise ValueError("program() needs a weight or INT8 codes")
+        w = np.asarray(w, np.float32)
+        if w.ndim != 2:
+            raise ValueError(f"a crossbar weight is 2-D (K x N), got shape {w.shape}")
+        if not np.all(np.isfinite(w)):
+            raise ValueError("weight contains NaN or Inf; it cannot be programmed into a crossbar")
+        if spec.quantised:
+            quantised = quantise_weight(w, spec)
+    grid = tile_grid(*(quantised.codes.shape if quantised is not None else w.shape), spec)
+    if quantised is not None:
+        codes = _pad(quantised.codes, grid)
+        target_w = None
+        scale = quantised.scale
+    else:
+        codes = np.zeros((grid.k_padded, grid.n_padded), np.int8)
+        target_w = _pad(w, grid)
+        scale = np.ones(grid.n, np.float32)
+    ids = _cell_ids(grid, first_tile)
+    g_min = 0.0 if target_w is not None else spec.tile.g_min
+    start = np.full(codes.shape, g_min, np.float32)
+    state = ProgrammedWeight(
+        grid=grid, codes=np.zeros_like(codes), target_w=None if target_w is None else np.zeros_like(target_w), scale=scale,
+        g_plus=start, g_minus=start.copy(),
+        nu_plus=np.zeros(codes.shape, np.float32), nu_minus=np.zeros(codes.shape, np.float32),
+        stuck_plus=_stuck(ids, 0, spec) if target_w is None else np.zeros(codes.shape, np.int8),
+        stuck_minus=_stuck(ids, 1, spec) if target_w is None else np.zeros(codes.shape, np.int8),
+        t_prog=np.full(codes.shape, t_now, np.float32),
+        writes_plus=np.zeros(codes.shape, np.int32), writes_minus=np.zeros(codes.shape, np.int32),
+        adc_full_scale=np.ones((grid.grid_k, grid.n_padded), np.float32),
+        ref_sum=np.ones((grid.grid_k, grid.grid_n), np.float32),
+        first_tile=first_tile,
+        programming=ProgrammingReport(0, 0, 0, 0, 0),
+    )
+    # Stuck cells sit at their rail from the start.
+    t = spec.tile
+    for plane in ("plus", "minus"):
+        s = getattr(state, f"stuck_{plane}")
+        g = getattr(state, f"g_{plane}")
+        g[s < 0] = t.g_min
+        g[s > 0] = t.g_max
+    return _write(state, codes, target_w, spec, seed=seed, t_now=t_now, ids=ids, changed=None)
+
+
+def reprogram(
+    state: ProgrammedWeight, w=None, spec: ChipSpec | None = None, *, seed: int = 0, t_now: float = 0.0,
+    quantised: QuantisedWeight | None = None,
+) -> ProgrammedWeight:
+    """Incrementally reprogram: only cells whose target changed are written, from their present G.
+
+    The present conductance includes drift up to `t_now`. The weight scale of
+    the state is kept (a fine-tuning step moves codes, not the ADC/scale
+    calibration) unless new INT8 codes and scales are given.
+    """
+    if spec is None:
+        raise ValueError("reprogram() needs a ChipSpec")
+    grid = state.grid
+    if quantised is None:
+        w = np.asarray(w, np.float32)
+        if w.shape != grid_shape(state):
+            raise ValueError(f"reprogram() needs a weight of shape {grid_shape(state)}, got {w.shape}")
+        if not np.all(np.isfinite(w)):
+            raise ValueError("weight contains NaN or Inf; it cannot be programmed into a crossbar")
+    if state.target_w is not None:
+        target_w, codes, scale = _pad(w, grid), state.codes, state.scale
+    else:
+        if quantised is None:
+            codes_new = np.clip(np.rint(w / state.scale[None, :]), -QMAX, QMAX).astype(np.int8)
+            quantised = from_int8(codes_new, state.scale)
+        target_w, codes, scale = None, _pad(quantised.codes, grid), quantised.scale
+    # Present conductance: drift since each cell's programming.
+    gp, gm = drifted(state, t_now, spec)
+    state = dataclasses.replace(state, g_plus=gp, g_minus=gm, scale=scale)
+    old_p, old_m = _pair_targets(state.codes, state.target_w, state, spec)
+    new_p, new_m = _pair_targets(codes, target_w, state, spec)
+    changed = (old_p != new_p, old_m != new_m)
+    return _write(state, codes, target_w, spec, seed=seed, t_now=t_now, ids=_cell_ids(grid, state.first_tile), changed=changed)
+
+
+def grid_shape(state: ProgrammedWeight) -> tuple[int, int]:
+    return state.grid.k, state.grid.n
+
+
+def _pair_targets(codes, target_w, state: ProgrammedWeight, spec: ChipSpec):
+    """Cell targets with stuck cells worked around by their partner.
+
+    Write-verify finds a stuck cell (it never passes verify); the controller
+    then writes the partner so the pair still holds the difference G+ - G-
+    where that is within the window (a stuck-at-G_max cell is fully
+    compensated, a stuck-at-G_min one only when the partner was the active
+    cell).
+    """
+    tp, tm = _conductance_pair(codes, target_w, spec)
+    if target_w is not None or not (state.stuck_plus.any() or state.stuck_minus.any()):
+        return tp, tm
+    t = spec.tile
+    diff = tp - tm
+    sp, sm = state.stuck_plus != 0, state.stuck_minus != 0
+    tm = np.where(sp & ~sm, np.clip(state.g_plus - diff, t.g_min, t.g_max), tm).astype(np.float32)
+    tp = np.where(sm & ~sp, np.clip(state.g_minus + diff, t.g_min, t.g_max), tp).astype(np.float32)
+    return tp, tm
+
+
+def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed) -> ProgrammedWeight:
+    """Write-verify the cells selected by `changed` (all cells when None) of both planes."""
+    tp, tm = _pair_targets(codes, target_w, state, spec)
+    new = {}
+    report = ProgrammingReport(0, 0, 0, 0, 0)
+    for plane, target, sel in (("plus", tp, None if changed is None else changed[0]),
+                               ("minus", tm, None if changed is None else changed[1])):
+        g = getattr(state, f"g_{plane}").copy()
+        stuck = getattr(state, f"stuck_{plane}")
+        nu = getattr(state, f"nu_{plane}").copy()
+        writes = getattr(state, f"writes_{plane}").copy()
+        mask = np.ones(g.shape, bool) if sel is None else sel
+        flat = np.flatnonzero(mask)
+        plane_seed = rng.seed32(seed, 0xCE11, 0 if plane == "plus" else 1)
+        if target_w is None:
+            res = program_cells(g.ravel()[flat], target.ravel()[flat], stuck.ravel()[flat] != 0, ids.ravel()[flat], spec, plane_seed)
+            g.ravel()[flat] = res.g
+            pulses = res.pulses
+        else:  # float (ideal) mode: the weight is written exactly, one pulse per changed cell
+            pulses = (g.ravel()[flat] != target.ravel()[flat]).astype(np.int32)
+            g.ravel()[flat] = target.ravel()[flat]
+        writes.ravel()[flat] += pulses
+        # Cells that were written restart their drift with a fresh exponent.
+        written = flat[pulses > 0]
+        nu.ravel()[written] = _nu(ids.ravel()[written], 0 if plane == "plus" else 1, rng.seed32(seed, 0xD21F7), spec)
+        nu[stuck != 0] = 0.0
+        new[f"g_{plane}"], new[f"nu_{plane}"], new[f"writes_{plane}"] = g, nu, writes
+        report = report + ProgrammingReport(
+            cells_written=int(written.size), pulses=int(pulses.sum(dtype=np.int64)),
+            max_pulses_cell=int(pulses.max(initial=0)), max_writes_cell=int(writes.max(initial=0)),
+            endurance_exceeded=int((writes > spec.ispp.endurance).sum()),
+        )
+    t_prog = state.t_prog.copy()
+    touched = np.ones(codes.shape, bool) if changed is None else (changed[0] | changed[1])
+    t_prog[touched] = t_now
+    grid = state.grid
+    return dataclasses.replace(
+        state, codes=codes, target_w=target_w, t_prog=t_prog, **new,
+        adc_full_scale=_adc_full_scale(codes, target_w, grid, spec),
+        ref_sum=_tile_sums(new["g_plus"], new["g_minus"], grid),
+        programming=report,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Reading the array: drift, IR drop, compensation -> a snapshot the MVM uses.
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Snapshot:
+    """The array as a read sees it at one device time, in code units, laid out per tile.
+
+    `w` (grid_k, rows, Np) is (G+ - G-)/dG including drift and IR drop,
+    `var` the per-cell read-noise variance in the same units, `lsb` the ADC
+    step of each tile column, `gain` the drift-compensation gain per tile
+    column, `scale` the weight scale per output column.
+    """
+
+    w: jax.Array
+    var: jax.Array | None
+    lsb: jax.Array | None
+    gain: jax.Array | None
+    scale: jax.Array
+    shape: _Shape
+
+
+def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
+    """Conductances at device time `t_now`: G(t) = G_prog ((t - t_prog + t0)/t0)^-nu."""
+    n = spec.noise
+    if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
+        return state.g_plus, state.g_minus
+    return _drift(state.g_plus, state.nu_plus, state.t_prog, t_now, n.drift_t0), _drift(
+        state.g_minus, state.nu_minus, state.t_prog, t_now, n.drift_t0)
+
+
+def _drift(g, nu, t_prog, t_now, t0):
+    age = np.maximum(np.float32(t_now) - t_prog, 0.0)
+    return np.asarray(_drift_kernel(g, nu, age, np.float32(t0)))
+
+
+@jax.jit
+def _drift_kernel(g, nu, age, t0):
+    return g * jnp.exp(-nu * jnp.log1p(age / t0))
+
+
+def _ir_factor(spec: ChipSpec, gp: np.ndarray, gm: np.ndarray, grid: TileGrid) -> np.ndarray:
+    """First-order IR drop: attenuation grows with distance from the drivers and with column load."""
+    a = spec.noise.ir_drop
+    r = (np.arange(grid.rows, dtype=np.float32)[:, None] + 1) / grid.rows
+    c = (np.arange(grid.cols, dtype=np.float32)[None, :] + 1) / grid.cols
+    pos = np.tile((r + c) / 2, (grid.grid_k, grid.grid_n))
+    g = (gp + gm).reshape(grid.grid_k, grid.rows, grid.n_padded)
+    load = g.sum(axis=1, keepdims=True) / (grid.rows * 2 * spec.tile.g_max)  # column current, 0..1
+    load = np.broadcast_to(load, g.shape).reshape(gp.shape)
+    return (1.0 - a * pos * load).astype(np.float32)
+
+
+def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
+    """Evaluate drift, IR drop and compensation once; MVMs at this time reuse it."""
+    grid = state.grid
+    gp, gm = drifted(state, t_now, spec)
+    if spec.noise.ir_drop > 0:
+        f = _ir_factor(spec, gp, gm, grid)
+        gp, gm = gp * f, gm * f
+    dg = 1.0 if state.target_w is not None else (spec.tile.g_max - spec.tile.g_min) / QMAX
+    shape3 = (grid.grid_k, grid.rows, grid.n_padded)
+    w = ((gp - gm) / np.float32(dg)).reshape(shape3)
+    var = None
+    if spec.noise.read_sigma > 0:
+        var = ((spec.noise.read_sigma / dg) ** 2 * (gp.astype(np.float32) ** 2 + gm ** 2)).reshape(shape3)
+    lsb = None
+    if spec.adc.enabled:
+        lsb = (state.adc_full_scale / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
+    gain = None
+    if spec.noise.drift_compensation:
+        # Reference read: the summed conductance of each tile, against the same read just after programming.
+        now = _tile_sums(gp, gm, grid)
+        per_tile = np.where(now > 0, state.ref_sum / now, 1.0).astype(np.float32)
+        gain = np.repeat(per_tile, grid.cols, axis=1)
+    return Snapshot(
+        w=jnp.asarray(w, jnp.float32), var=None if var is None else jnp.asarray(var, jnp.bfloat16),
+        lsb=None if lsb is None else jnp.asarray(lsb), gain=None if gain is None else jnp.asarray(gain),
+        scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols),
+    )
+
+
+# ---------------------------------------------------------------------------
+# The MVM kernel.
+
+
+def _sum_tiles(p):
+    """Digital accumulation over the tile axis. Unrolled adds: XLA:CPU reduces a
+    leading axis ~30x slower than it adds slices element-wise."""
+    acc = p[0]
+    for i in range(1, p.shape[0]):
+        acc = acc + p[i]
+    return acc
+
+
+@partial(jax.jit, static_argnames=("dac_bits", "adc_bits"))
+def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, adc_bits: int = 8):
+    """y = x @ W (+ bias) as the crossbar computes it, for x of shape (..., K).
+
+    The input is quantised per row (DAC), each tile accumulates its 256-row
+    partial sums in the analog domain with read noise, each tile column is
+    digitised by its ADC (range, rounding, clipping), the tiles are summed
+    digitally, and the result is dequantised. Read noise is exact in
+    distribution: independent per-cell noise adds to a column sum a Gaussian
+    of variance sum_i x_i^2 sigma_i^2, one extra matmul. `seed` (uint32)
+    picks this read's noise.
+    """
+    s = snap.shape
+    lead = x.shape[:-1]
+    if x.shape[-1] != s.k:
+        raise ValueError(f"mvm input has {x.shape[-1]} features but the weight has K = {s.k}")
+    grid_k = snap.w.shape[0]
+    x2 = x.reshape(-1, s.k).astype(jnp.float32)
+    if dac_bits is not None:
+        x2, xscale = quantise_rows(x2, dac_bits)
+    else:
+        xscale = None
+    x2 = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
+    # Tile-major layout (tile, row, k): a batched matmul over tiles with the batch
+    # dimension first is as fast as one plain matmul on XLA:CPU.
+    xt = jnp.swapaxes(x2.reshape(x2.shape[0], grid_k, s.rows), 0, 1)
+    p = jnp.matmul(xt, snap.w)  # (tile, row, Np): analog partial sums of every tile
+    if snap.var is not None:
+        if seed is None:
+            raise ValueError("this chip has read noise: mvm() needs a noise seed")
+        # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
+        # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
+        var = jnp.matmul((xt * xt).astype(jnp.bfloat16), snap.var, preferred_element_type=jnp.float32)
+        std = jnp.sqrt(var)
+        # Barrier: without it XLA fuses the noise draw into each consumer of p (ADC, tile sum)
+        # and recomputes it there, ~3x slower.
+        p = jax.lax.optimization_barrier(p + std * rng.normal_array(seed, p.shape))
+    if snap.lsb is not None:
+        qmax = float(2 ** (adc_bits - 1) - 1)
+        lsb = snap.lsb[:, None, :]
+        p = jnp.clip(jnp.round(p / lsb), -qmax, qmax) * lsb
+    if snap.gain is not None:
+        p = p * snap.gain[:, None, :]
+    y = _sum_tiles(p)[:, : s.n]
+    if xscale is not None:
+        y = y * xscale
+    y = y * snap.scale
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, s.n)
+
+
+def mvm_kwargs(spec: ChipSpec) -> dict:
+    """The static kernel settings a chip implies."""
+    return {"dac_bits": spec.dac.bits if spec.dac.enabled else None, "adc_bits": spec.adc.bits}
+
+
+def linear(state_or_snap, x, spec: ChipSpec, *, seed: int = 0, bias=None, t_now: float = 0.0):
+    """Convenience: snapshot (if given a programmed state) and run the MVM."""
+    snap = state_or_snap if isinstance(state_or_snap, Snapshot) else snapshot(state_or_snap, t_now, spec)
+    return mvm(snap, x, jnp.uint32(seed), bias, **mvm_kwargs(spec))
+
+
+def clipped_fraction(snap: Snapshot, x, spec: ChipSpec) -> float:
+    """Fraction of tile-column conversions that hit the ADC rails for input x (diagnostic)."""
+    if snap.lsb is None:
+        return 0.0
+    s = snap.shape
+    x2 = jnp.asarray(x, jnp.float32).reshape(-1, s.k)
+    if spec.dac.enabled:
+        x2, _ = quantise_rows(x2, spec.dac.bits)
+    x2 = jnp.pad(x2, ((0, 0), (0, snap.w.shape[0] * s.rows - s.k)))
+    p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], snap.w.shape[0], s.rows), 0, 1), snap.w)
+    qmax = 2 ** (spec.adc.bits - 1) - 1
+    return float(jnp.mean(jnp.abs(p[..., : s.n] / snap.lsb[:, None, : s.n]) > qmax + 0.5))

@@ -1,0 +1,226 @@
+"""A running chip: tile allocation, resident weights, the clock, and priced operations.
+
+This is the one stateful object of sidra_core. It holds what a real device
+holds (which tiles are programmed with what, its clock and counters, the noise
+stream position) and calls the pure kernels; both framework bridges drive the
+chip through it, so they price and compute identically.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import conv as conv_k
+from . import cost, crossbar, engine, rng
+from .clock import DeviceClock
+from .mapping import capacity_error, system_tiles, tile_grid
+from .quant import QuantisedWeight
+from .spec import ChipSpec, resolve
+
+# A snapshot is re-evaluated once some cell's drift factor may have moved by
+# more than this (relative); 1e-4 is far below the read noise of any preset.
+_DRIFT_REUSE_TOL = 1e-4
+
+
+class EnduranceWarning(UserWarning):
+    """Some cells were written more often than their endurance allows."""
+
+
+@dataclass
+class Resident:
+    """A weight programmed on the chip, with its cached read snapshot."""
+
+    name: str
+    state: crossbar.ProgrammedWeight
+    first_tile: int
+    snap: crossbar.Snapshot | None = None
+    snap_time: float = -1.0
+    version: object = None  # the bridge's change marker (e.g. a tensor version counter)
+    freed: bool = False
+
+    @property
+    def tiles(self) -> int:
+        return self.state.grid.tiles
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.state.shape
+
+
+@dataclass
+class Chip:
+    """One SIDRA system (one or more chips of the same spec) as the bridges see it."""
+
+    spec: ChipSpec
+    seed: int = 0
+    clock: DeviceClock = field(default_factory=DeviceClock)
+    residents: list[Resident] = field(default_factory=list)
+    _op_counter: int = 0
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    @classmethod
+    def create(cls, chip="y1", seed: int = 0, **overrides) -> "Chip":
+        return cls(spec=resolve(chip, **overrides), seed=seed)
+
+    # -- capacity ---------------------------------------------------------
+
+    @property
+    def tiles_total(self) -> int:
+        return system_tiles(self.spec)
+
+    @property
+    def tiles_in_use(self) -> int:
+        return sum(r.tiles for r in self.residents)
+
+    def _allocate(self, tiles: int, name: str) -> int:
+        """First-fit over the tile index space; freed ranges are reused."""
+        cursor = 0
+        for lo, hi in sorted((r.first_tile, r.first_tile + r.tiles) for r in self.residents):
+            if lo - cursor >= tiles:
+                return cursor
+            cursor = max(cursor, hi)
+        if cursor + tiles > self.tiles_total:
+            raise capacity_error(repr(name), tiles, self.tiles_in_use, self.spec)
+        return cursor
+
+    def check_fits(self, shapes, name: str = "model") -> None:
+        """Raise ChipCapacityError before programming anything if these K x N weights cannot fit."""
+        need = sum(tile_grid(k, n, self.spec).tiles for k, n in shapes)
+        if need > self.tiles_total - self.tiles_in_use:
+            raise capacity_error(name, need, self.tiles_in_use, self.spec)
+
+    # -- programming --------------------------------------------------------
+
+    def next_seed(self) -> int:
+        """A fresh uint32 noise seed: the run seed and a per-chip operation counter."""
+        with self._lock:
+            self._op_counter += 1
+            return rng.seed32(self.seed, self._op_counter)
+
+    def manual_seed(self, seed: int) -> None:
+        with self._lock:
+            self.seed = int(seed)
+            self._op_counter = 0
+
+    def program(self, w=None, *, name: str = "weight", quantised: QuantisedWeight | None = None,
+                version: object = None) -> Resident:
+        """Map a K x N weight onto free tiles and write it by ISPP; charge the programming."""
+        shape = quantised.codes.shape if quantised is not None else np.shape(w)
+        if len(shape) != 2:
+            raise ValueError(f"a crossbar weight is 2-D (K x N), got shape {tuple(shape)}")
+        grid = tile_grid(*shape, self.spec)
+        with self._lock:
+            first = self._allocate(grid.tiles, name)
+            state = crossbar.program(w, self.spec, seed=self.next_seed(), t_now=self.clock.now,
+                                     first_tile=first, quantised=quantised)
+            res = Resident(name=name, state=state, first_tile=first, version=version)
+            self.residents.append(res)
+            self._charge_programming(state)
+            return res
+
+    def reprogram(self, res: Resident, w=None, *, quantised: QuantisedWeight | None = None,
+                  version: object = None) -> crossbar.ProgrammingReport:
+        """Write only the cells whose target changed (incremental ISPP from the present G)."""
+        if res.freed:
+            raise RuntimeError(f"weight {res.name!r} was freed from the chip; program it again")
+        with self._lock:
+            state = crossbar.reprogram(res.state, w, self.spec, seed=self.next_seed(), t_now=self.clock.now,
+                                       quantised=quantised)
+            res.state, res.snap, res.version = state, None, version
+            self._charge_programming(state)
+            return state.programming
+
+    def _charge_programming(self, state: crossbar.ProgrammedWeight) -> None:
+        rep = state.programming
+        self.clock.charge(cost.programming(rep.pulses, self.spec), pulses=rep.pulses, cells_programmed=rep.cells_written)
+        if rep.endurance_exceeded:
+            warnings.warn(
+                f"{rep.endurance_exceeded} cells were written more than their endurance of "
+                f"{self.spec.ispp.endurance:.0e} cycles; they may fail on real hardware",
+                EnduranceWarning, stacklevel=3,
+            )
+
+    def free(self, res: Resident) -> None:
+        with self._lock:
+            res.freed = True
+            res.snap = None
+            self.residents = [r for r in self.residents if r is not res]
+
+    # -- reads ---------------------------------------------------------------
+
+    def snapshot(self, res: Resident) -> crossbar.Snapshot:
+        """The array as read now, reusing the cached one while drift has not moved it."""
+        now = self.clock.now
+        if res.snap is None or self._drift_moved(res, now):
+            res.snap = crossbar.snapshot(res.state, now, self.spec)
+            res.snap_time = now
+        return res.snap
+
+    def _drift_moved(self, res: Resident, now: float) -> bool:
+        n = self.spec.noise
+        if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
+            return False
+        youngest = float(res.state.t_prog.max())
+        nu_max = n.drift_nu_mean + 6 * n.drift_nu_std
+        old_age = max(res.snap_time - youngest, 0.0) + n.drift_t0
+        new_age = max(now - youngest, 0.0) + n.drift_t0
+        return nu_max * math.log(new_age / old_age) > _DRIFT_REUSE_TOL
+
+    def linear(self, res: Resident, x, bias=None):
+        """y = x @ W (+ bias) on the crossbar, x: (..., K); charges the MVM."""
+        k, n = res.shape
+        rows = int(np.prod(np.shape(x)[:-1], dtype=np.int64))
+        snap = self.snapshot(res)
+        y = crossbar.mvm(snap, x, jnp.uint32(self.next_seed()), bias, **crossbar.mvm_kwargs(self.spec))
+        self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
+        return y
+
+    def conv(self, res: Resident, x, w_shape, bias=None, stride=1, padding=0, dilation=1):
+        """N-d convolution of x (N, C_in, *spatial) with a programmed conv weight."""
+        args = conv_k.conv_args(w_shape, stride, padding, dilation)
+        y = conv_k.conv(self.snapshot(res), x, jnp.uint32(self.next_seed()), bias, **args,
+                        **crossbar.mvm_kwargs(self.spec))
+        rows = int(np.shape(x)[0]) * conv_k.output_positions(np.shape(x), w_shape, stride, padding, dilation)
+        k, n = res.shape
+        self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
+        return y
+
+    # -- compute engine -------------------------------------------------------
+
+    def engine(self, op: str, x, **kwargs):
+        """An element-wise or normalising op on the compute engine; charges it."""
+        p = self.spec.engine.precision
+        if op in engine.ELEMENTWISE:
+            y = engine.ELEMENTWISE[op](x, precision=p)
+        elif op in ("softmax", "log_softmax", "layer_norm", "rms_norm", "batch_norm"):
+            y = getattr(engine, op)(x, precision=p, **kwargs)
+        else:
+            raise ValueError(f"the compute engine has no op {op!r}")
+        self.clock.charge(cost.engine(op, int(np.size(x)), self.spec), engine_ops=1)
+        return y
+
+    def matmul(self, a, b):
+        """Activation x activation matmul (attention) on the engine's INT8 MACs."""
+        y = engine.matmul(a, b, mode=self.spec.engine.matmul)
+        *batch, m, kk = np.shape(a)
+        n = np.shape(b)[-1]
+        nb = int(np.prod(np.broadcast_shapes(tuple(batch), tuple(np.shape(b)[:-2])), dtype=np.int64))
+        self.clock.charge(cost.engine_matmul(nb, m, kk, n, self.spec), engine_ops=1)
+        return y
+
+    def charge_memory(self, nbytes: int) -> None:
+        self.clock.charge(cost.memory(nbytes, self.spec), memory_ops=1)
+
+    def charge_host(self, nbytes: int, transfers: int = 1, fallback: bool = False) -> None:
+        self.clock.charge(cost.host_transfer(nbytes, self.spec, transfers), host_transfers=transfers,
+                          host_bytes=nbytes, fallback_ops=int(fallback))
+
+    def advance(self, seconds: float) -> float:
+        """Jump the device clock (drift studies): an hour, a day, a year after programming."""
+        return self.clock.advance(seconds)

@@ -1,0 +1,158 @@
+"""Compute-engine kernels: the digital unit beside the crossbars.
+
+Precision modes (EngineSpec.precision): `fp32` computes exactly like the host;
+`fp16` / `bf16` round the engine's inputs and outputs to that format and
+accumulate reductions in fp32, as a vector unit with a wide accumulator does;
+`int8` feeds element-wise non-linearities through a 256-entry look-up table
+(input quantised per row to INT8) and keeps fp16 elsewhere.
+Activation x activation matmuls use INT8 MACs with INT32 accumulation unless
+`EngineSpec.matmul` is `fp32`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from .quant import quantise_rows
+
+_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16, "int8": jnp.float16}
+
+
+def _round(x, precision: str):
+    """Round to the engine's storage format, compute continues in float32."""
+    dt = _DTYPES[precision]
+    return x.astype(jnp.float32) if dt == jnp.float32 else x.astype(dt).astype(jnp.float32)
+
+
+def _elementwise(fn):
+    """Wrap a float32 element-wise function with the engine's precision (LUT in int8 mode)."""
+
+    @partial(jax.jit, static_argnames=("precision",))
+    def op(x, precision: str = "fp32"):
+        if precision == "int8":
+            # LUT: the function is evaluated only at the 255 INT8 input levels of each row.
+            q, s = quantise_rows(x.astype(jnp.float32), 8)
+            return _round(fn(q * s), "fp16")
+        return _round(fn(_round(x, precision)), precision)
+
+    op.__name__ = fn.__name__
+    op.__doc__ = fn.__doc__
+    return op
+
+
+@_elementwise
+def relu(x):
+    """max(x, 0)."""
+    return jnp.maximum(x, 0.0)
+
+
+@_elementwise
+def gelu(x):
+    """GELU, erf form (PyTorch's default)."""
+    return 0.5 * x * (1.0 + jax.lax.erf(x * 0.7071067811865476))
+
+
+@_elementwise
+def gelu_tanh(x):
+    """GELU, tanh approximation (`approximate='tanh'`)."""
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+@_elementwise
+def tanh(x):
+    """Hyperbolic tangent."""
+    return jnp.tanh(x)
+
+
+@_elementwise
+def sigmoid(x):
+    """Logistic sigmoid."""
+    return jax.nn.sigmoid(x)
+
+
+@_elementwise
+def silu(x):
+    """x * sigmoid(x)."""
+    return x * jax.nn.sigmoid(x)
+
+
+ELEMENTWISE = {"relu": relu, "gelu": gelu, "gelu_tanh": gelu_tanh, "tanh": tanh, "sigmoid": sigmoid, "silu": silu}
+
+
+def _io(precision: str):
+    return "fp16" if precision == "int8" else precision
+
+
+@partial(jax.jit, static_argnames=("axis", "precision"))
+def softmax(x, axis: int = -1, precision: str = "fp32"):
+    """Softmax with max subtraction; exponentials and the sum in fp32."""
+    x = _round(x, _io(precision))
+    return _round(jax.nn.softmax(x, axis=axis), _io(precision))
+
+
+@partial(jax.jit, static_argnames=("axis", "precision"))
+def log_softmax(x, axis: int = -1, precision: str = "fp32"):
+    x = _round(x, _io(precision))
+    return _round(jax.nn.log_softmax(x, axis=axis), _io(precision))
+
+
+@partial(jax.jit, static_argnames=("ndim", "precision"))
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, ndim: int = 1, precision: str = "fp32"):
+    """Layer norm over the last `ndim` axes; statistics in fp32."""
+    p = _io(precision)
+    x = _round(x, p)
+    axes = tuple(range(x.ndim - ndim, x.ndim))
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return _round(y, p)
+
+
+@partial(jax.jit, static_argnames=("ndim", "precision"))
+def rms_norm(x, weight=None, eps: float = 1e-6, ndim: int = 1, precision: str = "fp32"):
+    """RMS norm over the last `ndim` axes."""
+    p = _io(precision)
+    x = _round(x, p)
+    axes = tuple(range(x.ndim - ndim, x.ndim))
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return _round(y, p)
+
+
+@partial(jax.jit, static_argnames=("precision",))
+def batch_norm(x, mean, var, weight=None, bias=None, eps: float = 1e-5, precision: str = "fp32"):
+    """Inference batch norm with running statistics; channels on axis 1."""
+    p = _io(precision)
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    y = (_round(x, p) - mean.reshape(shape)) * jax.lax.rsqrt(var.reshape(shape) + eps)
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return _round(y, p)
+
+
+@partial(jax.jit, static_argnames=("mode",))
+def matmul(a, b, mode: str = "int8"):
+    """Activation x activation matmul (a: (..., M, K), b: (..., K, N)), e.g. attention.
+
+    `int8`: rows of `a` and columns of `b` are quantised to INT8 with dynamic
+    scales, multiplied exactly (INT32 accumulation, exact in float32 up to
+    K = 1040) and rescaled; `fp32`: a float matmul.
+    """
+    a = a.astype(jnp.float32)
+    b = b.astype(jnp.float32)
+    if mode == "fp32":
+        return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+    qa, sa = quantise_rows(a, 8)
+    qb, sb = quantise_rows(jnp.swapaxes(b, -1, -2), 8)
+    acc = jnp.matmul(qa, jnp.swapaxes(qb, -1, -2), precision=jax.lax.Precision.HIGHEST)
+    return acc * sa * jnp.swapaxes(sb, -1, -2)
