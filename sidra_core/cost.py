@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from .mapping import tile_grid
 from .spec import ChipSpec
 
@@ -57,7 +59,8 @@ _PJ = 1e-12
 
 def _check_dims(**dims):
     for name, v in dims.items():
-        if int(v) != v or v < 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) \
+                or int(v) != v or v < 0:
             raise ValueError(f"cost model: {name} = {v!r} must be a non-negative integer")
 
 
@@ -88,6 +91,7 @@ def mvm(rows: int, k: int, n: int, spec: ChipSpec) -> Cost:
 
 def conv(n_images: int, positions: int, k: int, c_out: int, spec: ChipSpec) -> Cost:
     """A convolution is `n_images x positions` MVM rows on its (C_in prod(kernel)) x C_out matrix."""
+    _check_dims(n_images=n_images, positions=positions)
     return mvm(n_images * positions, k, c_out, spec)
 
 

@@ -38,7 +38,7 @@ class ProgrammedWeight:
     """The programmed state of one weight on its tiles (host arrays, padded to the grid).
 
     Conductances are in siemens; `t_prog` is the device time (s) each weight
-    cell pair was last written, `nu_*` the per-cell drift exponents, `writes_*`
+    cell was last written, `nu_*` the per-cell drift exponents, `writes_*`
     the per-cell write (pulse) counts for endurance.
     """
 
@@ -52,13 +52,18 @@ class ProgrammedWeight:
     nu_minus: np.ndarray
     stuck_plus: np.ndarray  # int8 (Kp, Np): 0 ok, -1 stuck at G_min, +1 stuck at G_max
     stuck_minus: np.ndarray
-    t_prog: np.ndarray  # float32 (Kp, Np)
+    t_prog_plus: np.ndarray  # float32 (Kp, Np): device time each cell was last written
+    t_prog_minus: np.ndarray
     writes_plus: np.ndarray  # int32 (Kp, Np)
     writes_minus: np.ndarray
     adc_full_scale: np.ndarray  # float32 (grid_k, Np): per tile-column range in code units
     ref_sum: np.ndarray  # float32 (grid_k, grid_n): reference read right after programming
-    first_tile: int
+    tile_ids: tuple[int, ...]  # physical tile of each grid tile, row-major over (grid_k, grid_n)
     programming: "ProgrammingReport"
+
+    @property
+    def first_tile(self) -> int:
+        return self.tile_ids[0]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,12 +106,12 @@ def _conductance_pair(codes: np.ndarray, target_w, spec: ChipSpec):
     return (t.g_min + np.maximum(c, 0) * dg).astype(np.float32), (t.g_min + np.maximum(-c, 0) * dg).astype(np.float32)
 
 
-def _cell_ids(grid: TileGrid, first_tile: int) -> np.ndarray:
+def _cell_ids(grid: TileGrid, tile_ids: tuple[int, ...]) -> np.ndarray:
     """Physical id of every cell of the padded grid: tile index x cells + row x cols + col."""
     kp, np_ = grid.k_padded, grid.n_padded
     r = np.arange(kp, dtype=np.uint32)[:, None]
     c = np.arange(np_, dtype=np.uint32)[None, :]
-    tile = first_tile + (r // grid.rows) * grid.grid_n + (c // grid.cols)
+    tile = np.asarray(tile_ids, np.uint32)[(r // grid.rows) * grid.grid_n + (c // grid.cols)]
     return (tile * np.uint32(grid.rows * grid.cols) + (r % grid.rows) * np.uint32(grid.cols) + (c % grid.cols)).astype(np.uint32)
 
 
@@ -138,11 +143,19 @@ def _nu(ids, plane, seed, spec: ChipSpec) -> np.ndarray:
 
 
 def _adc_full_scale(codes: np.ndarray, target_w, grid: TileGrid, spec: ChipSpec) -> np.ndarray:
-    """ADC range of each tile column: a fraction of the largest sum the column can produce."""
+    """ADC range of each tile column: a fraction of the largest sum the column can produce.
+
+    The fraction is set for a full tile. A partly used tile (the last one along
+    K) has a largest sum that shrinks like the rows used but typical sums that
+    shrink like their square root, so its fraction grows by sqrt(rows / used)
+    to keep the same headroom over typical sums (capped at the largest sum).
+    """
     w = np.abs(target_w) if target_w is not None else np.abs(codes.astype(np.float32))
-    per_tile = w.reshape(grid.grid_k, grid.rows, grid.n_padded).sum(axis=1)
-    qmax_in = 2 ** (spec.dac.bits - 1) - 1 if spec.dac.enabled else 1.0
-    fs = spec.adc.full_scale * qmax_in * per_tile
+    largest = w.reshape(grid.grid_k, grid.rows, grid.n_padded).sum(axis=1)
+    largest *= 2 ** (spec.dac.bits - 1) - 1 if spec.dac.enabled else 1.0
+    used = np.minimum(grid.k - np.arange(grid.grid_k) * grid.rows, grid.rows)
+    fraction = np.minimum(spec.adc.full_scale * np.sqrt(grid.rows / used), 1.0)[:, None]
+    fs = fraction * largest
     return np.where(fs > 0, fs, 1.0).astype(np.float32)
 
 
@@ -163,13 +176,14 @@ def program(
     seed: int = 0,
     t_now: float = 0.0,
     first_tile: int = 0,
+    tile_ids=None,
     quantised: QuantisedWeight | None = None,
 ) -> ProgrammedWeight:
     """Program a K x N float weight (or existing INT8 codes) onto fresh tiles.
 
     Fresh cells start at G_min; ISPP writes every cell towards its target.
-    `first_tile` is the physical index of the first tile, which fixes the
-    stuck cells together with the chip seed.
+    The physical tiles (`tile_ids`, one per grid tile, or consecutive from
+    `first_tile`) fix the stuck cells together with the chip seed.
     """
     if spec is None:
         raise ValueError("program() needs a ChipSpec")
@@ -192,7 +206,12 @@ def program(
         codes = np.zeros((grid.k_padded, grid.n_padded), np.int8)
         target_w = _pad(w, grid)
         scale = np.ones(grid.n, np.float32)
-    ids = _cell_ids(grid, first_tile)
+    if tile_ids is None:
+        tile_ids = range(first_tile, first_tile + grid.tiles)
+    tile_ids = tuple(int(t) for t in tile_ids)
+    if len(tile_ids) != grid.tiles:
+        raise ValueError(f"a {grid.k}x{grid.n} weight needs {grid.tiles} tiles, got {len(tile_ids)} tile ids")
+    ids = _cell_ids(grid, tile_ids)
     g_min = 0.0 if target_w is not None else spec.tile.g_min
     start = np.full(codes.shape, g_min, np.float32)
     state = ProgrammedWeight(
@@ -201,11 +220,11 @@ def program(
         nu_plus=np.zeros(codes.shape, np.float32), nu_minus=np.zeros(codes.shape, np.float32),
         stuck_plus=_stuck(ids, 0, spec) if target_w is None else np.zeros(codes.shape, np.int8),
         stuck_minus=_stuck(ids, 1, spec) if target_w is None else np.zeros(codes.shape, np.int8),
-        t_prog=np.full(codes.shape, t_now, np.float32),
+        t_prog_plus=np.full(codes.shape, t_now, np.float32), t_prog_minus=np.full(codes.shape, t_now, np.float32),
         writes_plus=np.zeros(codes.shape, np.int32), writes_minus=np.zeros(codes.shape, np.int32),
         adc_full_scale=np.ones((grid.grid_k, grid.n_padded), np.float32),
         ref_sum=np.ones((grid.grid_k, grid.grid_n), np.float32),
-        first_tile=first_tile,
+        tile_ids=tile_ids,
         programming=ProgrammingReport(0, 0, 0, 0, 0),
     )
     # Stuck cells sit at their rail from the start.
@@ -244,13 +263,14 @@ def reprogram(
             codes_new = np.clip(np.rint(w / state.scale[None, :]), -QMAX, QMAX).astype(np.int8)
             quantised = from_int8(codes_new, state.scale)
         target_w, codes, scale = None, _pad(quantised.codes, grid), quantised.scale
-    # Present conductance: drift since each cell's programming.
-    gp, gm = drifted(state, t_now, spec)
-    state = dataclasses.replace(state, g_plus=gp, g_minus=gm, scale=scale)
+    state = dataclasses.replace(state, scale=scale)
     old_p, old_m = _pair_targets(state.codes, state.target_w, state, spec)
     new_p, new_m = _pair_targets(codes, target_w, state, spec)
     changed = (old_p != new_p, old_m != new_m)
-    return _write(state, codes, target_w, spec, seed=seed, t_now=t_now, ids=_cell_ids(grid, state.first_tile), changed=changed)
+    # Changed cells are written from their present (drifted) conductance.
+    present = drifted(state, t_now, spec)
+    return _write(state, codes, target_w, spec, seed=seed, t_now=t_now, ids=_cell_ids(grid, state.tile_ids),
+                  changed=changed, start=present)
 
 
 def grid_shape(state: ProgrammedWeight) -> tuple[int, int]:
@@ -277,44 +297,48 @@ def _pair_targets(codes, target_w, state: ProgrammedWeight, spec: ChipSpec):
     return tp, tm
 
 
-def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed) -> ProgrammedWeight:
-    """Write-verify the cells selected by `changed` (all cells when None) of both planes."""
+def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=None) -> ProgrammedWeight:
+    """Write-verify the cells selected by `changed` (all cells when None) of both planes,
+    starting from `start` (the present conductances; default the stored ones)."""
     tp, tm = _pair_targets(codes, target_w, state, spec)
     new = {}
     report = ProgrammingReport(0, 0, 0, 0, 0)
-    for plane, target, sel in (("plus", tp, None if changed is None else changed[0]),
-                               ("minus", tm, None if changed is None else changed[1])):
+    for i, (plane, target) in enumerate((("plus", tp), ("minus", tm))):
+        sel = None if changed is None else changed[i]
         g = getattr(state, f"g_{plane}").copy()
+        g_start = g if start is None else start[i]
+        t_prog = getattr(state, f"t_prog_{plane}").copy()
         stuck = getattr(state, f"stuck_{plane}")
         nu = getattr(state, f"nu_{plane}").copy()
         writes = getattr(state, f"writes_{plane}").copy()
         mask = np.ones(g.shape, bool) if sel is None else sel
         flat = np.flatnonzero(mask)
-        plane_seed = rng.seed32(seed, 0xCE11, 0 if plane == "plus" else 1)
+        plane_seed = rng.seed32(seed, 0xCE11, i)
+        g0 = g_start.ravel()[flat]
         if target_w is None:
-            res = program_cells(g.ravel()[flat], target.ravel()[flat], stuck.ravel()[flat] != 0, ids.ravel()[flat], spec, plane_seed)
-            g.ravel()[flat] = res.g
+            res = program_cells(g0, target.ravel()[flat], stuck.ravel()[flat] != 0, ids.ravel()[flat], spec, plane_seed)
             pulses = res.pulses
+            g_new = res.g
         else:  # float (ideal) mode: the weight is written exactly, one pulse per changed cell
-            pulses = (g.ravel()[flat] != target.ravel()[flat]).astype(np.int32)
-            g.ravel()[flat] = target.ravel()[flat]
+            pulses = (g0 != target.ravel()[flat]).astype(np.int32)
+            g_new = target.ravel()[flat]
         writes.ravel()[flat] += pulses
-        # Cells that were written restart their drift with a fresh exponent.
+        # Written cells hold their new G and restart drift with a fresh exponent; the
+        # others keep their programmed G, exponent and programming time.
         written = flat[pulses > 0]
-        nu.ravel()[written] = _nu(ids.ravel()[written], 0 if plane == "plus" else 1, rng.seed32(seed, 0xD21F7), spec)
+        g.ravel()[written] = g_new[pulses > 0]
+        t_prog.ravel()[written] = t_now
+        nu.ravel()[written] = _nu(ids.ravel()[written], i, rng.seed32(seed, 0xD21F7), spec)
         nu[stuck != 0] = 0.0
-        new[f"g_{plane}"], new[f"nu_{plane}"], new[f"writes_{plane}"] = g, nu, writes
+        new[f"g_{plane}"], new[f"nu_{plane}"], new[f"writes_{plane}"], new[f"t_prog_{plane}"] = g, nu, writes, t_prog
         report = report + ProgrammingReport(
             cells_written=int(written.size), pulses=int(pulses.sum(dtype=np.int64)),
             max_pulses_cell=int(pulses.max(initial=0)), max_writes_cell=int(writes.max(initial=0)),
             endurance_exceeded=int((writes > spec.ispp.endurance).sum()),
         )
-    t_prog = state.t_prog.copy()
-    touched = np.ones(codes.shape, bool) if changed is None else (changed[0] | changed[1])
-    t_prog[touched] = t_now
     grid = state.grid
     return dataclasses.replace(
-        state, codes=codes, target_w=target_w, t_prog=t_prog, **new,
+        state, codes=codes, target_w=target_w, **new,
         adc_full_scale=_adc_full_scale(codes, target_w, grid, spec),
         ref_sum=_tile_sums(new["g_plus"], new["g_minus"], grid),
         programming=report,
@@ -349,8 +373,8 @@ def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
     n = spec.noise
     if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
         return state.g_plus, state.g_minus
-    return _drift(state.g_plus, state.nu_plus, state.t_prog, t_now, n.drift_t0), _drift(
-        state.g_minus, state.nu_minus, state.t_prog, t_now, n.drift_t0)
+    return (_drift(state.g_plus, state.nu_plus, state.t_prog_plus, t_now, n.drift_t0),
+            _drift(state.g_minus, state.nu_minus, state.t_prog_minus, t_now, n.drift_t0))
 
 
 def _drift(g, nu, t_prog, t_now, t0):
@@ -383,20 +407,23 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         f = _ir_factor(spec, gp, gm, grid)
         gp, gm = gp * f, gm * f
     dg = 1.0 if state.target_w is not None else (spec.tile.g_max - spec.tile.g_min) / QMAX
-    shape3 = (grid.grid_k, grid.rows, grid.n_padded)
-    w = ((gp - gm) / np.float32(dg)).reshape(shape3)
+    # Padding columns hold nothing that is read out: the snapshot keeps the N real columns
+    # (the K padding stays, it is how inputs split into 256-row tiles).
+    n = grid.n
+    shape3 = (grid.grid_k, grid.rows, n)
+    w = ((gp[:, :n] - gm[:, :n]) / np.float32(dg)).reshape(shape3)
     var = None
     if spec.noise.read_sigma > 0:
-        var = ((spec.noise.read_sigma / dg) ** 2 * (gp.astype(np.float32) ** 2 + gm ** 2)).reshape(shape3)
+        var = ((spec.noise.read_sigma / dg) ** 2 * (gp[:, :n] ** 2 + gm[:, :n] ** 2)).reshape(shape3)
     lsb = None
     if spec.adc.enabled:
-        lsb = (state.adc_full_scale / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
+        lsb = (state.adc_full_scale[:, :n] / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
     gain = None
     if spec.noise.drift_compensation:
         # Reference read: the summed conductance of each tile, against the same read just after programming.
         now = _tile_sums(gp, gm, grid)
         per_tile = np.where(now > 0, state.ref_sum / now, 1.0).astype(np.float32)
-        gain = np.repeat(per_tile, grid.cols, axis=1)
+        gain = np.repeat(per_tile, grid.cols, axis=1)[:, :n]
     return Snapshot(
         w=jnp.asarray(w, jnp.float32), var=None if var is None else jnp.asarray(var, jnp.bfloat16),
         lsb=None if lsb is None else jnp.asarray(lsb), gain=None if gain is None else jnp.asarray(gain),
@@ -460,7 +487,7 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         p = jnp.clip(jnp.round(p / lsb), -qmax, qmax) * lsb
     if snap.gain is not None:
         p = p * snap.gain[:, None, :]
-    y = _sum_tiles(p)[:, : s.n]
+    y = _sum_tiles(p)
     if xscale is not None:
         y = y * xscale
     y = y * snap.scale
@@ -491,4 +518,4 @@ def clipped_fraction(snap: Snapshot, x, spec: ChipSpec) -> float:
     x2 = jnp.pad(x2, ((0, 0), (0, snap.w.shape[0] * s.rows - s.k)))
     p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], snap.w.shape[0], s.rows), 0, 1), snap.w)
     qmax = 2 ** (spec.adc.bits - 1) - 1
-    return float(jnp.mean(jnp.abs(p[..., : s.n] / snap.lsb[:, None, : s.n]) > qmax + 0.5))
+    return float(jnp.mean(jnp.abs(p / snap.lsb[:, None, :]) > qmax + 0.5))

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import numpy as np
 
-from . import conv as conv_k
 from . import cost, crossbar, engine, rng
+from .conv import conv as conv_kernel
+from .conv import conv_args, output_positions
 from .clock import DeviceClock
 from .mapping import capacity_error, system_tiles, tile_grid
 from .quant import QuantisedWeight
@@ -38,7 +39,6 @@ class Resident:
 
     name: str
     state: crossbar.ProgrammedWeight
-    first_tile: int
     snap: crossbar.Snapshot | None = None
     snap_time: float = -1.0
     version: object = None  # the bridge's change marker (e.g. a tensor version counter)
@@ -47,6 +47,14 @@ class Resident:
     @property
     def tiles(self) -> int:
         return self.state.grid.tiles
+
+    @property
+    def tile_ids(self) -> tuple[int, ...]:
+        return self.state.tile_ids
+
+    @property
+    def first_tile(self) -> int:
+        return self.state.first_tile
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,16 +86,16 @@ class Chip:
     def tiles_in_use(self) -> int:
         return sum(r.tiles for r in self.residents)
 
-    def _allocate(self, tiles: int, name: str) -> int:
-        """First-fit over the tile index space; freed ranges are reused."""
-        cursor = 0
-        for lo, hi in sorted((r.first_tile, r.first_tile + r.tiles) for r in self.residents):
-            if lo - cursor >= tiles:
-                return cursor
-            cursor = max(cursor, hi)
-        if cursor + tiles > self.tiles_total:
+    def _allocate(self, tiles: int, name: str) -> np.ndarray:
+        """The lowest-numbered free tiles; a weight's tiles need not be adjacent
+        (each tile has its own periphery), so freed tiles are always reusable."""
+        used = np.zeros(self.tiles_total, bool)
+        for r in self.residents:
+            used[list(r.tile_ids)] = True
+        free = np.flatnonzero(~used)
+        if free.size < tiles:
             raise capacity_error(repr(name), tiles, self.tiles_in_use, self.spec)
-        return cursor
+        return free[:tiles]
 
     def check_fits(self, shapes, name: str = "model") -> None:
         """Raise ChipCapacityError before programming anything if these K x N weights cannot fit."""
@@ -116,10 +124,10 @@ class Chip:
             raise ValueError(f"a crossbar weight is 2-D (K x N), got shape {tuple(shape)}")
         grid = tile_grid(*shape, self.spec)
         with self._lock:
-            first = self._allocate(grid.tiles, name)
+            tiles = self._allocate(grid.tiles, name)
             state = crossbar.program(w, self.spec, seed=self.next_seed(), t_now=self.clock.now,
-                                     first_tile=first, quantised=quantised)
-            res = Resident(name=name, state=state, first_tile=first, version=version)
+                                     tile_ids=tiles, quantised=quantised)
+            res = Resident(name=name, state=state, version=version)
             self.residents.append(res)
             self._charge_programming(state)
             return res
@@ -127,8 +135,7 @@ class Chip:
     def reprogram(self, res: Resident, w=None, *, quantised: QuantisedWeight | None = None,
                   version: object = None) -> crossbar.ProgrammingReport:
         """Write only the cells whose target changed (incremental ISPP from the present G)."""
-        if res.freed:
-            raise RuntimeError(f"weight {res.name!r} was freed from the chip; program it again")
+        self._check_live(res)
         with self._lock:
             state = crossbar.reprogram(res.state, w, self.spec, seed=self.next_seed(), t_now=self.clock.now,
                                        quantised=quantised)
@@ -146,6 +153,11 @@ class Chip:
                 EnduranceWarning, stacklevel=3,
             )
 
+    @staticmethod
+    def _check_live(res: Resident) -> None:
+        if res.freed:
+            raise RuntimeError(f"weight {res.name!r} was freed from the chip; program it again")
+
     def free(self, res: Resident) -> None:
         with self._lock:
             res.freed = True
@@ -156,6 +168,7 @@ class Chip:
 
     def snapshot(self, res: Resident) -> crossbar.Snapshot:
         """The array as read now, reusing the cached one while drift has not moved it."""
+        self._check_live(res)
         now = self.clock.now
         if res.snap is None or self._drift_moved(res, now):
             res.snap = crossbar.snapshot(res.state, now, self.spec)
@@ -166,7 +179,7 @@ class Chip:
         n = self.spec.noise
         if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
             return False
-        youngest = float(res.state.t_prog.max())
+        youngest = float(max(res.state.t_prog_plus.max(), res.state.t_prog_minus.max()))
         nu_max = n.drift_nu_mean + 6 * n.drift_nu_std
         old_age = max(res.snap_time - youngest, 0.0) + n.drift_t0
         new_age = max(now - youngest, 0.0) + n.drift_t0
@@ -183,10 +196,10 @@ class Chip:
 
     def conv(self, res: Resident, x, w_shape, bias=None, stride=1, padding=0, dilation=1):
         """N-d convolution of x (N, C_in, *spatial) with a programmed conv weight."""
-        args = conv_k.conv_args(w_shape, stride, padding, dilation)
-        y = conv_k.conv(self.snapshot(res), x, jnp.uint32(self.next_seed()), bias, **args,
+        args = conv_args(w_shape, stride, padding, dilation)
+        y = conv_kernel(self.snapshot(res), x, jnp.uint32(self.next_seed()), bias, **args,
                         **crossbar.mvm_kwargs(self.spec))
-        rows = int(np.shape(x)[0]) * conv_k.output_positions(np.shape(x), w_shape, stride, padding, dilation)
+        rows = int(np.shape(x)[0]) * output_positions(np.shape(x), w_shape, stride, padding, dilation)
         k, n = res.shape
         self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
         return y

@@ -117,6 +117,8 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
         g = np.where(stuck, g_start, g_target).astype(np.float32)
         return ISPPResult(g=g, pulses=(g_start != g_target).astype(np.int32))
 
+    if g_start.size == 0:
+        return ISPPResult(g=g_start.copy(), pulses=np.zeros(0, np.int32))
     u = (g_start - t.g_min) / span
     target = (g_target - t.g_min) / span
     m = u.size
@@ -131,11 +133,11 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
         float(t.g_min / span),
     )
     seed_u = np.uint32(rng.seed32(seed, 0x15BB))
-    # Active set: indices into the flat arrays, with the per-cell loop state.
     g_min_u = float(t.g_min / span)
     (passed,) = _in_blocks(
         lambda a, b, i: _first_verify(a, b, i, seed_u, params[0], params[1], g_min_u),
         [u, target, cell_ids], [0, 0, 0], size=_BLOCK * 4)
+    # Active set: indices into the flat arrays, with the per-cell loop state.
     idx = np.flatnonzero(~passed)
     ramp_n = np.zeros(idx.size, np.int32)
     last_dir = np.zeros(idx.size, np.int8)
@@ -152,10 +154,13 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
         out_pulses[idx] = npulses
         keep = ~ndone
         idx, ramp_n, last_dir, pulses = idx[keep], nramp[keep], ndir[keep], npulses[keep]
-    if spec.noise.prog_relax_sigma > 0:
-        moved = np.flatnonzero((out_pulses > 0) & ~stuck)
+    moved = np.flatnonzero((out_pulses > 0) & ~stuck)
+    if spec.noise.prog_relax_sigma > 0 and moved.size:
         relax_seed = np.uint32(rng.seed32(seed, 0x4E1A))
         (u[moved],) = _in_blocks(
             lambda a, i: _relax(a, g_min_u, i, relax_seed, float(spec.noise.prog_relax_sigma)),
             [u[moved], cell_ids[moved]], [0, 0])
-    return ISPPResult(g=(t.g_min + u * span).astype(np.float32), pulses=out_pulses)
+    g = g_start.copy()
+    touched = out_pulses > 0
+    g[touched] = (t.g_min + u[touched] * span).astype(np.float32)
+    return ISPPResult(g=g, pulses=out_pulses)

@@ -77,7 +77,12 @@ class ChipMapping:
 
     @property
     def chips(self) -> int:
-        return max(1, math.ceil(self.tiles / self.tiles_per_chip))
+        """Chips the placement touches (it may start part-way into the system)."""
+        if not self.grids:
+            return 0
+        first_chip = self.first_tile[0] // self.tiles_per_chip
+        last_chip = (self.first_tile[-1] + self.grids[-1].tiles - 1) // self.tiles_per_chip
+        return last_chip - first_chip + 1
 
     @property
     def utilisation(self) -> float:

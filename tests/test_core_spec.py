@@ -259,8 +259,6 @@ def test_unknown_field_names(overrides, needles):
         assert n in str(ei.value)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG spec.py _apply_overrides: 'name__x'/'seed__x' reach dataclasses.fields(str/int) "
-                                        "and raise TypeError instead of a ValueError naming the unknown field")
 @pytest.mark.parametrize("key", ["seed__x", "name__x"])
 def test_unknown_subfield_of_scalar(key):
     with pytest.raises(ValueError, match="x"):
@@ -357,8 +355,6 @@ def test_g_window_order():
     assert "TileSpec.g_max" in msg and "TileSpec.g_min" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="BUG spec.py _Section.__post_init__: integer fields accept floats such as "
-                                        "128.0 and store them as float; tile_grid/program then fail with TypeError")
 def test_int_field_given_integral_float_is_int_or_rejected():
     try:
         s = sc.preset("int8", tile__rows=128.0)

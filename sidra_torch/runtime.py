@@ -1,0 +1,197 @@
+"""The device's runtime state on the torch side: which chip, its memory, its clock.
+
+One `sidra` torch device is one SIDRA system (possibly several chips, mapped
+by sidra_core). The chip in use can be switched globally or for a `with`
+block; each distinct (spec, seed) is one physical chip that keeps its
+programmed weights, so switching back does not reprogram.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import sidra_core
+from sidra_core import Chip, ChipSpec
+
+
+@dataclass
+class _Memory:
+    allocated: int = 0
+    peak: int = 0
+    allocations: int = 0
+    frees: int = 0
+
+
+@dataclass
+class _State:
+    chip: Chip | None = None
+    chips: dict = field(default_factory=dict)  # (spec, seed) -> Chip
+    memory: _Memory = field(default_factory=_Memory)
+    seed: int = 0
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+_STATE = _State()
+
+
+def _get_chip(spec: ChipSpec, seed: int) -> Chip:
+    key = (spec, seed)
+    chip = _STATE.chips.get(key)
+    if chip is None:
+        chip = _STATE.chips[key] = Chip(spec=spec, seed=seed)
+    return chip
+
+
+def current_chip() -> Chip:
+    """The chip ops run on now (the `y1` preset unless another was chosen)."""
+    with _STATE.lock:
+        if _STATE.chip is None:
+            _STATE.chip = _get_chip(sidra_core.preset("y1"), _STATE.seed)
+        return _STATE.chip
+
+
+def set_chip(chip: "str | Path | ChipSpec" = "y1", **overrides) -> Chip:
+    """Choose the chip for all following ops: a preset name, a TOML path or a ChipSpec."""
+    spec = sidra_core.resolve(chip, **overrides)
+    with _STATE.lock:
+        _STATE.chip = _get_chip(spec, _STATE.seed)
+        return _STATE.chip
+
+
+@contextlib.contextmanager
+def use_chip(chip: "str | Path | ChipSpec", **overrides):
+    """`with sidra_torch.use_chip("ideal"): ...` runs the block on another chip, then switches back."""
+    spec = sidra_core.resolve(chip, **overrides)
+    with _STATE.lock:
+        previous = current_chip()
+        _STATE.chip = _get_chip(spec, _STATE.seed)
+    try:
+        yield _STATE.chip
+    finally:
+        with _STATE.lock:
+            _STATE.chip = previous
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the device's noise streams (read noise, ISPP) on every chip, like torch.cuda.manual_seed."""
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    with _STATE.lock:
+        _STATE.seed = seed
+        for chip in _STATE.chips.values():
+            chip.manual_seed(seed)
+
+
+def initial_seed() -> int:
+    return _STATE.seed
+
+
+# -- memory ---------------------------------------------------------------
+
+
+def _check_capacity(nbytes: int) -> None:
+    cap = current_chip().spec.memory.dram_bytes
+    mem = _STATE.memory
+    if mem.allocated + nbytes > cap:
+        gib = 1024 ** 3
+        raise torch.OutOfMemoryError(
+            f"SIDRA out of memory. Tried to allocate {nbytes / gib:.2f} GiB. The device has a total "
+            f"capacity of {cap / gib:.2f} GiB of which {(cap - mem.allocated) / gib:.2f} GiB is free; "
+            f"{mem.allocated / gib:.2f} GiB is allocated by tensors. Free tensors (del, or move them "
+            f"to the CPU) or choose a chip with more memory (memory__dram_bytes=...)."
+        )
+
+
+def track_alloc(nbytes: int) -> None:
+    with _STATE.lock:
+        _check_capacity(nbytes)
+        mem = _STATE.memory
+        mem.allocated += nbytes
+        mem.allocations += 1
+        mem.peak = max(mem.peak, mem.allocated)
+
+
+def track_free(nbytes: int) -> None:
+    with _STATE.lock:
+        _STATE.memory.allocated -= nbytes
+        _STATE.memory.frees += 1
+
+
+def memory_allocated() -> int:
+    return _STATE.memory.allocated
+
+
+def max_memory_allocated() -> int:
+    return _STATE.memory.peak
+
+
+def reset_peak_memory_stats() -> None:
+    with _STATE.lock:
+        _STATE.memory.peak = _STATE.memory.allocated
+
+
+def memory_summary() -> str:
+    chip = current_chip()
+    mem = _STATE.memory
+    mib = 1024 ** 2
+    return "\n".join([
+        f"SIDRA memory summary ({chip.spec.name} chip)",
+        f"  device memory   : {mem.allocated / mib:10.2f} MiB allocated, peak {mem.peak / mib:.2f} MiB, "
+        f"capacity {chip.spec.memory.dram_bytes / mib:.0f} MiB",
+        f"  allocations     : {mem.allocations} allocated, {mem.frees} freed",
+        f"  crossbar tiles  : {chip.tiles_in_use} of {chip.tiles_total} programmed "
+        f"({len(chip.residents)} weights)",
+    ])
+
+
+# -- clock and counters -----------------------------------------------------
+
+
+def counters() -> dict:
+    """Device time, energy by component and event counts since the last reset."""
+    return current_chip().clock.counters.as_dict()
+
+
+def reset_counters() -> None:
+    current_chip().clock.reset_counters()
+
+
+def device_time() -> float:
+    """The simulated device clock (s): busy time plus any time advanced by the user."""
+    return current_chip().clock.now
+
+
+def advance(seconds: float) -> float:
+    """Jump the device clock, e.g. `advance(3600)` to read weights an hour after programming."""
+    return current_chip().advance(seconds)
+
+
+class Event:
+    """Like torch.cuda.Event, but `elapsed_time` reads the simulated device clock (ms)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+        self._time: float | None = None
+
+    def record(self, stream=None) -> None:
+        self._time = device_time()
+
+    def query(self) -> bool:
+        return True  # the simulator runs eagerly: work is done when recorded
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with enable_timing=True to measure elapsed time")
+        if self._time is None or end_event._time is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time")
+        return (end_event._time - self._time) * 1e3
