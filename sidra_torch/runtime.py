@@ -39,6 +39,23 @@ class _State:
 _STATE = _State()
 
 
+class _Quiet(threading.local):
+    on = False
+
+
+QUIET = _Quiet()
+
+
+@contextlib.contextmanager
+def quiet():
+    """Run ops as plain host computations, unpriced (printing, debugging reads)."""
+    prev, QUIET.on = QUIET.on, True
+    try:
+        yield
+    finally:
+        QUIET.on = prev
+
+
 def _get_chip(spec: ChipSpec, seed: int) -> Chip:
     key = (spec, seed)
     chip = _STATE.chips.get(key)
@@ -121,20 +138,20 @@ def track_free(nbytes: int) -> None:
         _STATE.memory.frees += 1
 
 
-def memory_allocated() -> int:
+def memory_allocated(device=None) -> int:
     return _STATE.memory.allocated
 
 
-def max_memory_allocated() -> int:
+def max_memory_allocated(device=None) -> int:
     return _STATE.memory.peak
 
 
-def reset_peak_memory_stats() -> None:
+def reset_peak_memory_stats(device=None) -> None:
     with _STATE.lock:
         _STATE.memory.peak = _STATE.memory.allocated
 
 
-def memory_summary() -> str:
+def memory_summary(device=None, abbreviated: bool = False) -> str:
     chip = current_chip()
     mem = _STATE.memory
     mib = 1024 ** 2

@@ -1,0 +1,44 @@
+"""sidra_torch: "sidra" as a real PyTorch device.
+
+    import sidra_torch
+    model.to("sidra:0")          # weights are programmed into crossbars on first use
+    y = model(x.to("sidra:0"))   # the chip's outputs, with its latency and energy on torch.sidra
+
+Importing registers the device (idempotent). `torch.sidra` mirrors `torch.cuda`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_TORCH = (2, 10)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+if _torch_version() < MIN_TORCH:
+    raise ImportError(
+        f"sidra_torch needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (its Python PrivateUse1 backend API); "
+        f"this is torch {torch.__version__}. Upgrade with: pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}'"
+    )
+
+from . import weights as _weights  # noqa: E402
+from ._registration import register  # noqa: E402
+from .runtime import (Event, advance, counters, current_chip, device_time, manual_seed, reset_counters,  # noqa: E402
+                      set_chip, use_chip)
+from . import tensor as _tensor  # noqa: E402
+from .tensor import SidraTensor, unwrap, wrap  # noqa: E402
+
+register()
+DEVICE = torch.device("sidra", 0)
+
+# Name device parameters and buffers as modules run (for reports) and check that a
+# model fits on the chip before its first weight is programmed.
+torch.nn.modules.module.register_module_forward_pre_hook(_weights._tag_module)
+_tensor._view_tag = _weights._view_tag
+
+__all__ = ["DEVICE", "Event", "SidraTensor", "advance", "counters", "current_chip", "device_time",
+           "manual_seed", "register", "reset_counters", "set_chip", "unwrap", "use_chip", "wrap"]

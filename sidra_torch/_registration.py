@@ -1,0 +1,202 @@
+"""Registers PrivateUse1 as the `sidra` device (pure Python, idempotent).
+
+What `register()` does:
+  1. torch.utils.backend_registration._setup_privateuseone_for_python_backend(
+        "sidra", backend_module=torch.sidra, hook=..., device_guard=...)
+     -> renames PrivateUse1, generates Tensor.sidra()/is_sidra, Module.sidra(),
+        registers torch.sidra and the Python PrivateUse1 hooks + device guard
+        (torch._C._acc) that autograd's engine needs.
+  2. factory kernels on the PrivateUse1 key (the only way to catch
+     torch.randn(..., device="sidra:0") & co, which have no tensor argument):
+       * a boxed fallback for everything that has no kernel (empty.memory_format,
+         empty_strided, ...)
+       * explicit per-op kernels for the CompositeExplicitAutograd factories
+         (arange/full/zeros/ones/rand*/eye/linspace/...) because their composite
+         kernel would do empty()+in-place/out= ops and the out= ones resize.
+  3. a fallthrough on AutocastPrivateUse1 (else every op errors under
+     torch.autocast("sidra")), optionally lower-precision autocast kernels.
+  4. serialization hooks (serialization.py).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.utils.backend_registration as _br
+
+from . import device_module
+from . import runtime as _runtime
+from . import tensor as _t
+
+_LOCK = threading.Lock()
+_REGISTERED = False
+_LIBS: list = []  # keep torch.library.Library objects alive
+
+
+# --------------------------------------------------------------------------
+# C++ hooks (torch._C._acc)
+# --------------------------------------------------------------------------
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    # the Python device guard only reports its type; the C++ side behaves as a
+    # single-device guard (current device is always index 0).
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+# --------------------------------------------------------------------------
+# factories
+# --------------------------------------------------------------------------
+def _cpu_kwargs(kwargs):
+    kw = dict(kwargs)
+    if kw.get("device") is not None:
+        _t._as_device(kw["device"])  # only sidra:0 exists
+        kw["device"] = _t.CPU
+    kw.pop("pin_memory", None)
+    return kw
+
+
+def _new_on_device(out):
+    """A factory result: count it against device memory, price writing it, wrap it."""
+    _t.track_new(out)
+    _runtime.current_chip().charge_memory(_nbytes(out))
+    return _t._wrap_out(out)
+
+
+def _nbytes(out) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.numel() * out.element_size()
+    return sum(_nbytes(o) for o in out) if isinstance(out, (tuple, list)) else 0
+
+
+def _factory_fallback(op, *args, **kwargs):
+    """Boxed fallback on PrivateUse1: any op that reaches the sidra backend key
+    without a Python-key tensor (i.e. factories: empty.memory_format,
+    empty_strided, ...).  Run it on CPU and wrap."""
+    if any(isinstance(a, torch.Tensor) for a in args):
+        # a plain (non-wrapper) PrivateUse1 tensor would land here; we never
+        # create those, so this is a bug
+        raise NotImplementedError(f"sidra fallback: unexpected tensor args for {op}")
+    return _new_on_device(op(*args, **_cpu_kwargs(kwargs)))
+
+
+def _make_factory_kernel(op_overload):
+    def kernel(*args, **kwargs):
+        return _new_on_device(op_overload(*args, **_cpu_kwargs(kwargs)))
+
+    return kernel
+
+
+# CompositeExplicitAutograd factories (have a kernel that would be used for
+# PrivateUse1).  Registering a PrivateUse1 kernel overrides it: one CPU call +
+# one wrap instead of empty()+fill_/normal_/arange.out(resize!).
+_FACTORY_OPS = [
+    "arange", "arange.start", "arange.start_step",
+    "full", "full.names",
+    "zeros", "zeros.names", "ones", "ones.names",
+    "rand", "rand.generator", "randn", "randn.generator",
+    "randint", "randint.generator", "randint.low", "randint.low_generator",
+    "randperm", "randperm.generator",
+    "eye", "eye.m",
+    "linspace", "logspace",
+    "scalar_tensor",
+    "empty.memory_format", "empty_strided",
+    "tril_indices", "triu_indices",
+    "normal.float_float", "normal.float_float_out",
+]
+
+
+def _register_factories():
+    lib = torch.library.Library("_", "IMPL")  # noqa: TOR901
+    lib.fallback(_factory_fallback, "PrivateUse1")
+    _LIBS.append(lib)
+    alib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    for name in _FACTORY_OPS:
+        base, _, overload = name.partition(".")
+        try:
+            op = getattr(getattr(torch.ops.aten, base), overload or "default")
+        except AttributeError:
+            continue
+        if "out" in overload:
+            continue
+        alib.impl(name, _make_factory_kernel(op), "PrivateUse1")
+    _LIBS.append(alib)
+
+
+def _copy_from(src, dst, non_blocking=False):
+    # Reached when the Python key is excluded (torch.tensor(..., device=) does
+    # that) and copy_'s CompositeExplicitAutograd kernel calls _copy_from for a
+    # non-CPU destination.  A *boxed fallback* cannot handle this: the Python
+    # fallback trampoline asserts (python_dispatch.cpp "func != nullptr") when
+    # an argument has the Python key, so it must be a per-op kernel.
+    s = src._inner if isinstance(src, _t.SidraTensor) else src
+    d = dst._inner if isinstance(dst, _t.SidraTensor) else dst
+    d.copy_(s, non_blocking)
+    _t.charge_copy(dst, src, d)
+    return dst
+
+
+def _copy_from_and_resize(src, dst):
+    return _copy_from(src, dst)
+
+
+def _register_copy_kernels():
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    lib.impl("_copy_from_and_resize", _copy_from_and_resize, "PrivateUse1")
+    _LIBS.append(lib)
+
+
+def _register_autocast():
+    lib = torch.library.Library("_", "IMPL")  # noqa: TOR901
+    lib.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+    _LIBS.append(lib)
+
+
+# --------------------------------------------------------------------------
+def register() -> None:
+    """Idempotent.  After this, "sidra:0" is a working device.
+
+    `Module.to("sidra:0")` swaps parameters in place (SidraTensor is a
+    traceable wrapper subclass), so tied weights stay tied on the device. The
+    global `torch.__future__.set_swap_module_params_on_conversion` flag is left
+    alone: it would change how every CPU module converts (and fail while an
+    autograd graph holds its parameters), so `.to("cpu")` makes new CPU
+    parameters, as for any subclass (HF models re-tie with `tie_weights()`).
+    """
+    global _REGISTERED
+    with _LOCK:
+        if _REGISTERED:
+            return
+        name = torch._C._get_privateuse1_backend_name()
+        if name not in ("privateuseone", _t.DEVICE_TYPE):
+            raise RuntimeError(f"PrivateUse1 already renamed to {name!r}")
+        if hasattr(torch, _t.DEVICE_TYPE):
+            # someone (another copy of this module?) already did the setup
+            _t.DEVICE = torch.device(_t.DEVICE_TYPE, 0)
+            _REGISTERED = True
+            return
+        _br._setup_privateuseone_for_python_backend(
+            _t.DEVICE_TYPE,
+            backend_module=device_module,
+            hook=_Hooks(),
+            device_guard=_Guard(),
+        )
+        _t.DEVICE = torch.device(_t.DEVICE_TYPE, 0)
+        _register_factories()
+        _register_copy_kernels()
+        _register_autocast()
+        from . import serialization
+
+        serialization.register()
+        _REGISTERED = True

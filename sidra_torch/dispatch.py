@@ -1,0 +1,465 @@
+"""The dispatch table: where each aten op runs on the chip, and what it costs.
+
+Every op that reaches the device is one of:
+
+- crossbar: `mm`/`addmm`/`linear`/`matmul` with a weight operand, `convolution`
+  with a weight: the sidra_core MVM kernels, weights programmed once and cached;
+- engine: activation x activation matmuls (attention), the non-linear and
+  normalising ops, and element-wise arithmetic: the compute engine's numerics
+  at its precision;
+- memory: data movement inside device memory (embedding lookups, copies,
+  concatenation, factories);
+- free: views and metadata;
+- host: everything else runs on the host CPU, paying the host link both ways
+  (counted as a fallback op). So does the backward pass: Y1 computes
+  gradients digitally on the host (straight-through gradients of the analog
+  ops), and so do dtypes the chip cannot compute (float64, complex).
+
+A runner takes (func, args, uargs, ukwargs): the original arguments (to find
+weights) and their unwrapped CPU tensors, and returns the unwrapped result.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from . import runtime
+from . import tensor as _t
+from .weights import resident, weight_base
+
+aten = torch.ops.aten
+
+_CHIP_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_ROUND_TO = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float16}
+_warned_dtypes: set = set()
+
+
+# ---------------------------------------------------------------------------
+# torch <-> jax, zero-copy where the layout allows
+
+
+def _to_jax(t: torch.Tensor):
+    if t.dtype != torch.float32:
+        t = t.to(torch.float32)
+    return jax.dlpack.from_dlpack(t.detach().contiguous())
+
+
+def _to_torch(a, dtype=torch.float32) -> torch.Tensor:
+    out = torch.from_dlpack(a)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
+def _in_backward() -> bool:
+    return torch._C._current_autograd_node() is not None
+
+
+def _float_dtype(uargs) -> torch.dtype | None:
+    for a in uargs:
+        if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex()):
+            return a.dtype
+        if isinstance(a, (list, tuple)):
+            d = _float_dtype(a)
+            if d is not None:
+                return d
+    return None
+
+
+def _unsupported_dtype(uargs) -> bool:
+    d = _float_dtype(uargs)
+    if d is None or d in _CHIP_FLOATS:
+        return False
+    if d not in _warned_dtypes:
+        _warned_dtypes.add(d)
+        warnings.warn(
+            f"the SIDRA chip cannot compute {d}: ops on {d} tensors run on the host CPU (exactly, "
+            f"paying the host link both ways); cast to float32/float16/bfloat16 to run them on the chip",
+            stacklevel=4,
+        )
+    return True
+
+
+# ---------------------------------------------------------------------------
+# host fallback
+
+
+def host(func, args, uargs, ukwargs):
+    """Run on the host CPU: the inputs go over the host link, the result comes back."""
+    out = func._op(*uargs, **ukwargs)
+    chip = runtime.current_chip()
+    chip.charge_host(_nbytes(uargs) + _nbytes(ukwargs.values()) + _nbytes(out), transfers=2, fallback=True)
+    return out
+
+
+def _guard(runner):
+    """Backward passes and dtypes the chip cannot compute go to the host instead."""
+
+    def run(func, args, uargs, ukwargs):
+        if _in_backward() or _unsupported_dtype(uargs):
+            return host(func, args, uargs, ukwargs)
+        return runner(func, args, uargs, ukwargs)
+
+    run.__name__ = runner.__name__
+    run.where = getattr(runner, "where", "engine")
+    return run
+
+
+# ---------------------------------------------------------------------------
+# crossbar
+
+
+def _linear(x: torch.Tensor, w_view, transpose: bool, bias: torch.Tensor | None):
+    """y = x @ M (+ bias) where M is the weight view (transposed if asked), on the crossbar."""
+    chip = runtime.current_chip()
+    res = resident(chip, w_view, transpose)
+    y = chip.linear(res, _to_jax(x), None if bias is None else _to_jax(bias))
+    return _to_torch(y, x.dtype)
+
+
+def _engine_matmul(a: torch.Tensor, b: torch.Tensor):
+    chip = runtime.current_chip()
+    return _to_torch(chip.matmul(_to_jax(a), _to_jax(b)), a.dtype)
+
+
+def mm(func, args, uargs, ukwargs):
+    a, b = args[0], args[1]
+    wa, wb = weight_base(a), weight_base(b)
+    if wb is not None and wa is None:
+        return _linear(uargs[0], b, False, None)
+    if wa is not None and wb is None:  # W @ x = (x^T @ W^T)^T
+        return _linear(uargs[1].t(), a, True, None).t()
+    if wa is None and wb is None:
+        return _engine_matmul(uargs[0], uargs[1])
+    return host(func, args, uargs, ukwargs)
+
+
+def addmm(func, args, uargs, ukwargs):
+    bias, a, b = args[0], args[1], args[2]
+    beta, alpha = ukwargs.get("beta", 1), ukwargs.get("alpha", 1)
+    if beta == 1 and alpha == 1 and weight_base(b) is not None and weight_base(a) is None:
+        return _linear(uargs[1], b, False, uargs[0])
+    if beta == 1 and alpha == 1 and weight_base(a) is None and weight_base(b) is None:
+        out = _engine_matmul(uargs[1], uargs[2])
+        return _elementwise_finish(out + uargs[0], out.numel())
+    return host(func, args, uargs, ukwargs)
+
+
+def bmm(func, args, uargs, ukwargs):
+    return _engine_matmul(uargs[0], uargs[1])
+
+
+def baddbmm(func, args, uargs, ukwargs):
+    beta, alpha = ukwargs.get("beta", 1), ukwargs.get("alpha", 1)
+    prod = _engine_matmul(uargs[1], uargs[2])
+    out = beta * uargs[0] + alpha * prod if (beta != 1 or alpha != 1) else uargs[0] + prod
+    return _elementwise_finish(out, out.numel())
+
+
+def linear(func, args, uargs, ukwargs):
+    """aten.linear arrives whole under inference_mode: weight (N, K), so the crossbar holds W^T."""
+    x, w = args[0], args[1]
+    bias = uargs[2] if len(uargs) > 2 else ukwargs.get("bias")
+    if weight_base(w) is None:
+        out = _engine_matmul(uargs[0], uargs[1].t())
+        return out if bias is None else _elementwise_finish(out + bias, out.numel())
+    return _linear(uargs[0], w, True, bias)
+
+
+def matmul(func, args, uargs, ukwargs):
+    """aten.matmul arrives whole under inference_mode."""
+    a, b = args[0], args[1]
+    if weight_base(b) is not None and weight_base(a) is None and b.dim() == 2:
+        return _linear(uargs[0], b, False, None)
+    if weight_base(a) is None and weight_base(b) is None and a.dim() >= 2 and b.dim() >= 2:
+        return _engine_matmul(uargs[0], uargs[1])
+    return host(func, args, uargs, ukwargs)
+
+
+def convolution(func, args, uargs, ukwargs):
+    x, w = args[0], args[1]
+    bias = uargs[2]
+    stride, padding, dilation, transposed, _, groups = uargs[3:9]
+    if transposed or weight_base(w) is None or w.dim() not in (3, 4, 5) or isinstance(padding, str):
+        return host(func, args, uargs, ukwargs)
+    from sidra_core import conv_weight_matrix
+
+    chip = runtime.current_chip()
+    res = resident(chip, w, False, matrix_fn=lambda v, _: conv_weight_matrix(
+        v._inner.detach().to(torch.float32).numpy(), groups))
+    y = chip.conv(res, _to_jax(uargs[0]), tuple(w.shape), None if bias is None else _to_jax(bias),
+                  stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation))
+    return _to_torch(y, uargs[0].dtype)
+
+
+def conv_nd(func, args, uargs, ukwargs):
+    """conv1d/2d/3d arrive whole under inference_mode: the same as convolution."""
+    x, w = uargs[0], uargs[1]
+    nd = w.dim() - 2
+    names = ("bias", "stride", "padding", "dilation", "groups")
+    defaults = (None, 1, 0, 1, 1)
+    vals = [uargs[2 + i] if len(uargs) > 2 + i else ukwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
+    bias, stride, padding, dilation, groups = vals
+    expand = (lambda v: [v] * nd if isinstance(v, int) else list(v))
+    new_uargs = [x, w, bias, expand(stride), padding if isinstance(padding, str) else expand(padding),
+                 expand(dilation), False, [0] * nd, groups]
+    return convolution(aten.convolution.default, list(args[:2]) + [None] * 7, new_uargs, {})
+
+
+# ---------------------------------------------------------------------------
+# compute engine
+
+
+def _round_engine(t: torch.Tensor) -> torch.Tensor:
+    """Round a float result to the engine's storage format (identity at fp32)."""
+    dt = _ROUND_TO.get(runtime.current_chip().spec.engine.precision)
+    if dt is None or not t.is_floating_point() or t.dtype == dt:
+        return t
+    return t.to(dt).to(t.dtype)
+
+
+def _elementwise_finish(out, numel: int):
+    chip = runtime.current_chip()
+    from sidra_core import cost
+
+    chip.clock.charge(cost.engine("elementwise", numel, chip.spec), engine_ops=1)
+    return _round_engine(out) if isinstance(out, torch.Tensor) else out
+
+
+def elementwise(func, args, uargs, ukwargs):
+    """Element-wise arithmetic and reductions on the engine's vector unit."""
+    out = func._op(*uargs, **ukwargs)
+    if isinstance(out, torch.Tensor):
+        return _elementwise_finish(out, max(out.numel(), _max_numel(uargs)))
+    chip = runtime.current_chip()
+    from sidra_core import cost
+
+    chip.clock.charge(cost.engine("elementwise", _max_numel(uargs), chip.spec), engine_ops=1)
+    return out
+
+
+def elementwise_inplace(func, args, uargs, ukwargs):
+    """In-place arithmetic: computed exactly (optimizer updates must not be rounded), priced on the engine."""
+    out = func._op(*uargs, **ukwargs)
+    chip = runtime.current_chip()
+    from sidra_core import cost
+
+    chip.clock.charge(cost.engine("elementwise", _max_numel(uargs), chip.spec), engine_ops=1)
+    return out
+
+
+def _max_numel(uargs) -> int:
+    n = 0
+    for a in uargs:
+        if isinstance(a, torch.Tensor):
+            n = max(n, a.numel())
+    return n
+
+
+def _engine_op(name: str, x: torch.Tensor, **kw) -> torch.Tensor:
+    chip = runtime.current_chip()
+    return _to_torch(chip.engine(name, _to_jax(x), **kw), x.dtype)
+
+
+def relu(func, args, uargs, ukwargs):
+    return _engine_op("relu", uargs[0])
+
+
+def gelu(func, args, uargs, ukwargs):
+    approx = ukwargs.get("approximate", uargs[1] if len(uargs) > 1 else "none")
+    return _engine_op("gelu_tanh" if approx == "tanh" else "gelu", uargs[0])
+
+
+def unary(name):
+    def run(func, args, uargs, ukwargs):
+        return _engine_op(name, uargs[0])
+
+    run.__name__ = name
+    return run
+
+
+def softmax(func, args, uargs, ukwargs):
+    x, dim = uargs[0], uargs[1]
+    half_to_float = uargs[2] if len(uargs) > 2 else False
+    name = "log_softmax" if func in (aten._log_softmax.default,) else "softmax"
+    out = _engine_op(name, x, axis=int(dim))
+    return out.to(torch.float32) if half_to_float else out
+
+
+def safe_softmax(func, args, uargs, ukwargs):
+    """softmax where fully masked rows give 0 (the sdpa math path)."""
+    x, dim = uargs[0], int(uargs[1])
+    out = _engine_op("softmax", x, axis=dim)
+    masked = torch.isneginf(x).all(dim=dim, keepdim=True)
+    out = out.masked_fill(masked, 0.0)
+    dtype = ukwargs.get("dtype", uargs[2] if len(uargs) > 2 else None)
+    return out if dtype is None else out.to(dtype)
+
+
+def layer_norm(func, args, uargs, ukwargs):
+    x, shape, w, b, eps = uargs[:5]
+    nd = len(shape)
+    axes = tuple(range(x.dim() - nd, x.dim()))
+    chip = runtime.current_chip()
+    y = chip.engine("layer_norm", _to_jax(x), weight=None if w is None else _to_jax(w),
+                    bias=None if b is None else _to_jax(b), eps=float(eps), ndim=nd)
+    # mean and 1/std are the digital statistics autograd saves for backward
+    xf = x.detach().to(torch.float32)
+    var, mean = torch.var_mean(xf, dim=axes, keepdim=True, correction=0)
+    return _to_torch(y, x.dtype), mean, torch.rsqrt(var + eps)
+
+
+def batch_norm_inference(func, args, uargs, ukwargs):
+    """_native_batch_norm_legit_no_training(x, w, b, running_mean, running_var, momentum, eps)."""
+    x, w, b, rm, rv, _momentum, eps = uargs[:7]
+    chip = runtime.current_chip()
+    y = chip.engine("batch_norm", _to_jax(x), mean=_to_jax(rm), var=_to_jax(rv),
+                    weight=None if w is None else _to_jax(w), bias=None if b is None else _to_jax(b), eps=float(eps))
+    empty = x.new_empty(0)
+    return _to_torch(y, x.dtype), empty, empty
+
+
+def native_batch_norm(func, args, uargs, ukwargs):
+    x, w, b, rm, rv, training, momentum, eps = uargs[:8]
+    if training or rm is None:
+        return host(func, args, uargs, ukwargs)
+    y, _, _ = batch_norm_inference(func, args, [x, w, b, rm, rv, momentum, eps], {})
+    empty = x.new_empty(0)
+    return y, empty, empty
+
+
+def sdpa(func, args, uargs, ukwargs):
+    """scaled_dot_product_attention (arrives whole under inference_mode): engine matmuls and softmax."""
+    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    vals = dict(zip(names, uargs[3:]))
+    vals.update({k: v for k, v in ukwargs.items() if k in names})
+    q, k, v = uargs[:3]
+    if vals.get("dropout_p", 0.0) or vals.get("enable_gqa", False):
+        return host(func, args, uargs, ukwargs)
+    scale = vals.get("scale") or 1.0 / float(np.sqrt(q.shape[-1]))
+    scores = _engine_matmul(q, k.transpose(-2, -1)) * scale
+    mask = vals.get("attn_mask")
+    if vals.get("is_causal"):
+        L, S = q.shape[-2], k.shape[-2]
+        causal = torch.ones(L, S, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    scores = _elementwise_finish(scores, scores.numel())
+    p = _engine_op("softmax", scores, axis=-1)
+    p = p.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
+    return _engine_matmul(p, v)
+
+
+# ---------------------------------------------------------------------------
+# device memory
+
+
+def memory(func, args, uargs, ukwargs):
+    """Data movement inside device memory: priced by the bytes written."""
+    out = func._op(*uargs, **ukwargs)
+    runtime.current_chip().charge_memory(_nbytes(out))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The table
+
+
+def _ops(*names):
+    out = []
+    for n in names:
+        base, _, ov = n.partition(".")
+        packet = getattr(aten, base, None)
+        op = getattr(packet, ov or "default", None) if packet is not None else None
+        if op is not None:
+            out.append(op)
+    return out
+
+
+CROSSBAR = {
+    aten.mm.default: mm, aten.addmm.default: addmm, aten.linear.default: linear,
+    aten.matmul.default: matmul, aten.convolution.default: convolution,
+    aten.conv1d.default: conv_nd, aten.conv2d.default: conv_nd, aten.conv3d.default: conv_nd,
+}
+
+ENGINE = {
+    aten.bmm.default: bmm, aten.baddbmm.default: baddbmm,
+    aten.relu.default: relu, aten.gelu.default: gelu,
+    aten.tanh.default: unary("tanh"), aten.sigmoid.default: unary("sigmoid"), aten.silu.default: unary("silu"),
+    aten._softmax.default: softmax, aten._log_softmax.default: softmax,
+    aten._safe_softmax.default: safe_softmax,
+    aten.native_layer_norm.default: layer_norm,
+    aten._native_batch_norm_legit_no_training.default: batch_norm_inference,
+    aten.native_batch_norm.default: native_batch_norm,
+    aten.scaled_dot_product_attention.default: sdpa,
+}
+
+ELEMENTWISE = _ops(
+    "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "mul.Tensor", "mul.Scalar", "div.Tensor",
+    "div.Scalar", "div.Tensor_mode", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor", "pow.Scalar", "reciprocal", "where.self", "masked_fill.Scalar", "masked_fill.Tensor",
+    "clamp", "clamp.Tensor", "clamp_min", "clamp_max", "maximum", "minimum", "sum.dim_IntList", "sum.default",
+    "mean.dim", "mean.default", "amax", "amin", "max.dim", "min.dim", "var.correction", "erf", "exp2",
+    "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar",
+    "gt.Tensor", "gt.Scalar", "ge.Tensor", "ge.Scalar", "logical_not", "logical_and", "logical_or",
+    "bitwise_not", "bitwise_and", "bitwise_or", "rsub.Scalar", "rsub.Tensor", "tril", "triu",
+    "cumsum", "argmax", "argmin", "sign", "floor", "ceil", "round", "trunc", "hardtanh", "leaky_relu",
+    "elu", "softplus", "mish", "hardswish", "hardsigmoid", "sin", "cos", "lerp.Scalar", "addcmul",
+    "addcdiv", "threshold_backward", "gelu_backward", "tanh_backward", "sigmoid_backward",
+)
+
+ELEMENTWISE_INPLACE = _ops(
+    "add_.Tensor", "add_.Scalar", "sub_.Tensor", "sub_.Scalar", "mul_.Tensor", "mul_.Scalar", "div_.Tensor",
+    "div_.Scalar", "neg_", "clamp_", "clamp_min_", "masked_fill_.Scalar", "masked_fill_.Tensor", "lerp_.Scalar",
+    "lerp_.Tensor", "addcmul_", "addcdiv_", "sqrt_", "exp_", "relu_", "tanh_", "sigmoid_", "pow_.Scalar",
+    "maximum_", "copy_",
+)
+
+MEMORY = _ops(
+    "embedding", "index_select", "cat", "stack", "clone", "gather", "index.Tensor", "fill_.Scalar",
+    "fill_.Tensor", "zero_", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
+    "new_full", "new_empty", "new_empty_strided", "empty.memory_format", "empty_strided", "_unsafe_view",
+    "contiguous", "repeat", "flip", "roll", "constant_pad_nd", "scatter.src", "scatter.value",
+    "index_put_", "index_put", "_index_put_impl_", "slice_scatter", "select_scatter", "masked_select",
+    "nonzero", "arange.start_step", "arange.default", "arange.start", "expand_copy", "_to_copy",
+    "lift_fresh", "alias", "detach", "split_with_sizes_copy", "unbind_copy", "embedding_dense_backward",
+    "tril_indices", "triu_indices", "scalar_tensor", "full", "zeros", "ones",
+)
+
+# Queries that read metadata or a single value and change nothing on the device.
+FREE = _ops("_local_scalar_dense", "is_same_size", "equal", "is_nonzero", "sym_size.int", "sym_stride.int",
+            "sym_numel", "sym_storage_offset", "_has_compatible_shallow_copy_type", "set_.source_Storage_storage_offset")
+
+
+def runner_for(func, is_view: bool):
+    """The runner for an op, decided once per OpOverload; None = a free op (plain call)."""
+    if is_view or func in FREE:
+        return None
+    if func in CROSSBAR:
+        r = _guard(CROSSBAR[func])
+        r.where = "crossbar"
+        return r
+    if func in ENGINE:
+        return _guard(ENGINE[func])
+    if func in ELEMENTWISE:
+        return _guard(elementwise)
+    if func in ELEMENTWISE_INPLACE:
+        return _guard(elementwise_inplace)
+    if func in MEMORY:
+        r = _guard(memory)
+        r.where = "memory"
+        return r
+    host.where = "host"
+    return host

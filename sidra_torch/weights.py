@@ -1,0 +1,175 @@
+"""Which tensors are crossbar weights, and their programmed state on the chip.
+
+A weight is a parameter or buffer on the device, or a view of one (`t`,
+`transpose`, `permute`, `view` ...): views carry a link to their base, set
+when the view is made. Each (chip, weight view) is programmed once and cached;
+the weight's version counter (bumped by every in-place write: an optimizer
+step, `load_state_dict`, `p.data.copy_`) tells when the cells must be
+rewritten, which is done incrementally by ISPP.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import tensor as _t
+
+_BASE = "_sidra_weight_base"
+_NAME = "_sidra_weight"
+
+
+def weight_base(t):
+    """The weight `t` is (a view of), or None for an activation."""
+    d = getattr(t, "__dict__", None)
+    if not d:
+        return None
+    b = d.get(_BASE)
+    if b is not None:
+        return b
+    if _NAME in d or d.get("_is_param", False):
+        return t
+    return None
+
+
+def weight_name(base) -> str:
+    return base.__dict__.get(_NAME, "parameter")
+
+
+def _view_tag(func, args, res):
+    src = args[0]
+    base = weight_base(src)
+    if base is None:
+        return
+    if type(res) is _t.SidraTensor:
+        if res is not base:
+            res.__dict__[_BASE] = base
+    elif isinstance(res, (tuple, list)):
+        for r in res:
+            if type(r) is _t.SidraTensor:
+                r.__dict__[_BASE] = base
+
+
+def _tag_module(module, args):
+    """Forward pre-hook on every module: name its device parameters and buffers (once)."""
+    if module.__dict__.get("_sidra_tagged"):
+        return
+    found = False
+    for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        if isinstance(t, _t.SidraTensor):
+            found = True
+            t.__dict__.setdefault(_NAME, f"{type(module).__name__}.{name}")
+    if found:
+        module.__dict__["_sidra_tagged"] = True
+        _check_fits(module)
+
+
+def tag_module(module: torch.nn.Module) -> None:
+    """Give every device parameter and buffer its qualified name (used in reports)."""
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if isinstance(t, _t.SidraTensor):
+            t.__dict__[_NAME] = name
+
+
+# ---------------------------------------------------------------------------
+# Capacity: refuse a model that cannot fit before programming any of it.
+
+
+def crossbar_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, tuple[int, int]]]:
+    """The weights a module's layers will put on crossbars (Linear, Conv, HF Conv1D), with K x N."""
+    seen, out = set(), []
+    for name, m in module.named_modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(w, _t.SidraTensor) or id(w) in seen:
+            continue
+        if isinstance(m, torch.nn.Linear):
+            shape = (w.shape[1], w.shape[0])
+        elif isinstance(m, torch.nn.modules.conv._ConvNd) and not m.transposed:
+            shape = (m.in_channels * int(np.prod(w.shape[2:])), w.shape[0])
+        elif type(m).__name__ == "Conv1D" and w.dim() == 2:  # transformers' GPT-2 layer: x @ W
+            shape = (w.shape[0], w.shape[1])
+        else:
+            continue
+        seen.add(id(w))
+        out.append((name or type(m).__name__, w, shape))
+    return out
+
+
+def _check_fits(module) -> None:
+    """Before a module's first forward: will all its crossbar weights fit on the chip?"""
+    from . import runtime
+
+    chip = runtime.current_chip()
+    pending = [shape for _, w, shape in crossbar_weights(module)
+               if not any(k[0] == id(chip) for k in w.__dict__.get(_TABLE, ()))]
+    if pending:
+        chip.check_fits(pending, name=f"{type(module).__name__} ({len(pending)} crossbar weights)")
+
+
+# ---------------------------------------------------------------------------
+# Programmed state per (chip, weight view).
+
+_TABLE = "_sidra_residents"
+
+
+class _Residents(dict):
+    """(chip id, view key) -> (Resident, version, chip) for one weight, kept in the weight's __dict__.
+
+    Not a weakref on the tensor: `Module.to` swaps parameters with
+    `torch.utils.swap_tensors`, which refuses tensors that have weakrefs. The
+    tiles are freed when this table dies with its weight.
+    """
+
+    def __del__(self):
+        for res, _, chip in self.values():
+            chip.free(res)
+
+    def __deepcopy__(self, memo):
+        return _Residents()  # a copy of a weight is a new weight: not programmed yet
+
+    def __reduce__(self):
+        return (_Residents, ())
+
+
+def _table(base) -> _Residents:
+    table = base.__dict__.get(_TABLE)
+    if table is None:
+        table = base.__dict__[_TABLE] = _Residents()
+    return table
+
+
+def _version(base) -> tuple:
+    inner = base._inner
+    return (base._version, inner._version, id(inner))
+
+
+def matrix(view, transpose: bool) -> np.ndarray:
+    """The K x N matrix a weight view presents to the crossbar, as float32 on the host."""
+    m = view._inner.detach()
+    if transpose:
+        m = m.t()
+    return m.to(torch.float32).contiguous().numpy()
+
+
+def resident(chip, view, transpose: bool = False, matrix_fn=matrix):
+    """The chip's programmed copy of a weight view, programmed or reprogrammed as needed."""
+    base = weight_base(view)
+    table = _table(base)
+    inner = view._inner
+    key = (id(chip), (inner.storage_offset() - base._inner.storage_offset(), tuple(inner.shape), inner.stride(), transpose))
+    version = _version(base)
+    entry = table.get(key)
+    if entry is None:
+        res = chip.program(matrix_fn(view, transpose), name=weight_name(base), version=version)
+        table[key] = (res, version, chip)
+        return res
+    res = entry[0]
+    if entry[1] != version:
+        chip.reprogram(res, matrix_fn(view, transpose), version=version)
+        table[key] = (res, version, chip)
+    return res
+
+
+def residents_of(base) -> list:
+    """Every programmed copy of a weight (one per chip and view)."""
+    return [e[0] for e in base.__dict__.get(_TABLE, {}).values()]
