@@ -376,6 +376,8 @@ def _untrack(ptr: int, nbytes: int) -> None:
 def track_new(out) -> None:
     """Count new device storages against the chip's memory (raises OutOfMemoryError past capacity)."""
     if isinstance(out, _Tensor):
+        if out.layout is not torch.strided:
+            return
         st = out.untyped_storage()
         ptr = st.data_ptr()
         if ptr and ptr not in _TRACKED:
