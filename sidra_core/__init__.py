@@ -4,16 +4,27 @@ Physics and cost live here and only here; `sidra_torch` and `sidra_jax`
 translate framework operations into calls of these kernels.
 """
 
-from . import cost, engine, rng
-from .clock import Counters, DeviceClock
-from .conv import conv, conv_args, weight_matrix as conv_weight_matrix
-from .cost import Cost
-from .crossbar import ProgrammedWeight, ProgrammingReport, Snapshot, drifted, linear, mvm, mvm_kwargs, program, reprogram, snapshot
-from .device import Chip, EnduranceWarning, Resident
-from .ispp import ISPPResult, program_cells
-from .mapping import ChipCapacityError, ChipMapping, TileGrid, capacity_error, chips_needed, map_weights, system_tiles, tile_grid
-from .quant import QuantisedWeight, from_int8, quantise_rows, quantise_weight
-from .spec import (PRESETS, ADCSpec, ChipSpec, CostSpec, DACSpec, EngineSpec, ISPPSpec, MemorySpec, NoiseSpec,
-                   QuantSpec, TileSpec, preset, resolve)
+import os as _os
+
+import jax as _jax
+
+# Compiled kernels persist across processes (the first forward of a model compiles
+# one MVM per layer shape): a user's own cache setting wins; SIDRA_JAX_CACHE=0 disables.
+_cache_dir = _os.environ.get("SIDRA_JAX_CACHE", _os.path.join(_os.path.expanduser("~"), ".cache", "sidra", "jax"))
+if _cache_dir != "0" and not _jax.config.jax_compilation_cache_dir:
+    _jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    _jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+
+from . import cost, engine, rng  # noqa: E402
+from .clock import Counters, DeviceClock  # noqa: E402
+from .conv import conv, conv_args, weight_matrix as conv_weight_matrix  # noqa: E402
+from .cost import Cost  # noqa: E402
+from .crossbar import ProgrammedWeight, ProgrammingReport, Snapshot, drifted, linear, mvm, mvm_kwargs, program, reprogram, snapshot  # noqa: E402
+from .device import Chip, EnduranceWarning, Resident  # noqa: E402
+from .ispp import ISPPResult, program_cells  # noqa: E402
+from .mapping import ChipCapacityError, ChipMapping, TileGrid, capacity_error, chips_needed, map_weights, system_tiles, tile_grid  # noqa: E402
+from .quant import QuantisedWeight, from_int8, quantise_rows, quantise_weight  # noqa: E402
+from .spec import (PRESETS, ADCSpec, ChipSpec, CostSpec, DACSpec, EngineSpec, ISPPSpec,  # noqa: E402
+                   MemorySpec, NoiseSpec, QuantSpec, TileSpec, preset, resolve)
 
 __all__ = [n for n in dir() if not n.startswith("_")]

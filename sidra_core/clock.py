@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .cost import ZERO, Cost
+from .cost import COMPONENTS, ZERO, Cost
 
 COUNTS = ("mvms", "tile_reads", "engine_ops", "memory_ops", "pulses", "cells_programmed",
           "fallback_ops", "host_transfers", "host_bytes")
@@ -57,33 +57,56 @@ class Counters:
         return d
 
 
-@dataclass
 class DeviceClock:
-    """A running device's clock: a thread-safe holder of Counters for the bridges.
+    """A running device's clock: mutable accumulators for the bridges' hot path.
 
-    The clock never goes back: `reset_counters` zeroes the counts and energy
-    but keeps the time, because programmed cells keep drifting.
+    `charge` adds in place (an eager op must not build new immutable objects);
+    `counters` returns an immutable Counters snapshot. The clock never goes
+    back: `reset_counters` zeroes the counts and energy but keeps the time,
+    because programmed cells keep drifting.
     """
 
-    counters: Counters = field(default_factory=Counters)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _epoch_s: float = 0.0  # device time at the last counter reset
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._epoch_s = 0.0  # device time at the last counter reset
+        self._zero()
+
+    def _zero(self) -> None:
+        self._busy = 0.0
+        self._idle = 0.0
+        self._energy = [0.0] * len(COMPONENTS)
+        self._counts = dict.fromkeys(COUNTS, 0)
 
     @property
     def now(self) -> float:
-        return self._epoch_s + self.counters.time_s
+        return self._epoch_s + self._busy + self._idle
 
-    def charge(self, cost: Cost = ZERO, **counts: int) -> Counters:
+    @property
+    def counters(self) -> Counters:
         with self._lock:
-            self.counters = self.counters.charge(cost, **counts)
-            return self.counters
+            cost = Cost(self._busy, *self._energy)
+            return Counters(cost=cost, idle_s=self._idle, **self._counts)
+
+    def charge(self, cost: Cost = ZERO, **counts: int) -> None:
+        with self._lock:
+            self._busy += cost.latency_s
+            e = self._energy
+            for i, v in enumerate(cost.energies):
+                e[i] += v
+            c = self._counts
+            for k, v in counts.items():
+                if k not in c:
+                    raise ValueError(f"unknown counters {[k]}; known: {list(COUNTS)}")
+                c[k] += int(v)
 
     def advance(self, seconds: float) -> float:
+        if not seconds >= 0:
+            raise ValueError(f"the device clock only moves forward; got {seconds!r} s")
         with self._lock:
-            self.counters = self.counters.advance(seconds)
-            return self._epoch_s + self.counters.time_s
+            self._idle += float(seconds)
+            return self.now
 
     def reset_counters(self) -> None:
         with self._lock:
-            self._epoch_s += self.counters.time_s
-            self.counters = Counters()
+            self._epoch_s += self._busy + self._idle
+            self._zero()

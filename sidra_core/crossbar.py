@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import rng
+from .blocks import map_blocks
 from .ispp import program_cells
 from .mapping import TileGrid, tile_grid
 from .quant import QMAX, QuantisedWeight, from_int8, quantise_rows, quantise_weight
@@ -127,7 +128,9 @@ def _stuck(ids: np.ndarray, plane: int, spec: ChipSpec) -> np.ndarray:
     n = spec.noise
     if n.stuck_off_rate == 0 and n.stuck_on_rate == 0:
         return np.zeros(ids.shape, np.int8)
-    return np.asarray(_stuck_map(ids, np.uint32(rng.seed32(spec.seed, 0x57AC, plane)), (n.stuck_off_rate, n.stuck_on_rate)))
+    seed = np.uint32(rng.seed32(spec.seed, 0x57AC, plane))
+    rates = (n.stuck_off_rate, n.stuck_on_rate)
+    return map_blocks(lambda i: _stuck_map(i, seed, rates), [ids], [0])[0].astype(np.int8)
 
 
 @partial(jax.jit, static_argnames=("mean", "std"))
@@ -139,7 +142,8 @@ def _nu(ids, plane, seed, spec: ChipSpec) -> np.ndarray:
     n = spec.noise
     if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
         return np.zeros(ids.shape, np.float32)
-    return np.asarray(_draw_nu(ids, np.uint32(rng.seed32(seed, 0xD21F7, plane)), n.drift_nu_mean, n.drift_nu_std))
+    seed = np.uint32(rng.seed32(seed, 0xD21F7, plane))
+    return map_blocks(lambda i: _draw_nu(i, seed, n.drift_nu_mean, n.drift_nu_std), [ids], [0])[0]
 
 
 def _adc_full_scale(codes: np.ndarray, target_w, grid: TileGrid, spec: ChipSpec) -> np.ndarray:
@@ -311,22 +315,24 @@ def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=Non
         stuck = getattr(state, f"stuck_{plane}")
         nu = getattr(state, f"nu_{plane}").copy()
         writes = getattr(state, f"writes_{plane}").copy()
-        mask = np.ones(g.shape, bool) if sel is None else sel
-        flat = np.flatnonzero(mask)
+        # All cells (fresh programming) are taken as flat views; a selection by fancy indexing.
+        pick = (lambda a: a.ravel()) if sel is None else (lambda a, f=np.flatnonzero(sel): a.ravel()[f])
+        flat = np.arange(g.size) if sel is None else np.flatnonzero(sel)
         plane_seed = rng.seed32(seed, 0xCE11, i)
-        g0 = g_start.ravel()[flat]
+        g0 = pick(g_start)
         if target_w is None:
-            res = program_cells(g0, target.ravel()[flat], stuck.ravel()[flat] != 0, ids.ravel()[flat], spec, plane_seed)
+            res = program_cells(g0, pick(target), pick(stuck) != 0, pick(ids), spec, plane_seed)
             pulses = res.pulses
             g_new = res.g
         else:  # float (ideal) mode: the weight is written exactly, one pulse per changed cell
-            pulses = (g0 != target.ravel()[flat]).astype(np.int32)
-            g_new = target.ravel()[flat]
-        writes.ravel()[flat] += pulses
+            pulses = (g0 != pick(target)).astype(np.int32)
+            g_new = pick(target)
+        hit = pulses > 0
+        written = flat[hit]
+        writes.ravel()[written] += pulses[hit]
         # Written cells hold their new G and restart drift with a fresh exponent; the
         # others keep their programmed G, exponent and programming time.
-        written = flat[pulses > 0]
-        g.ravel()[written] = g_new[pulses > 0]
+        g.ravel()[written] = g_new[hit]
         t_prog.ravel()[written] = t_now
         nu.ravel()[written] = _nu(ids.ravel()[written], i, rng.seed32(seed, 0xD21F7), spec)
         nu[stuck != 0] = 0.0
@@ -379,7 +385,8 @@ def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
 
 def _drift(g, nu, t_prog, t_now, t0):
     age = np.maximum(np.float32(t_now) - t_prog, 0.0)
-    return np.asarray(_drift_kernel(g, nu, age, np.float32(t0)))
+    t0 = np.float32(t0)
+    return map_blocks(lambda a, b, c: _drift_kernel(a, b, c, t0), [g, nu, age], [0, 0, 0])[0]
 
 
 @jax.jit

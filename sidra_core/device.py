@@ -67,7 +67,7 @@ class Chip:
 
     spec: ChipSpec
     seed: int = 0
-    clock: DeviceClock = field(default_factory=DeviceClock)
+    clock: DeviceClock = field(default_factory=DeviceClock, repr=False)
     residents: list[Resident] = field(default_factory=list)
     _op_counter: int = 0
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)

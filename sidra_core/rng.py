@@ -93,6 +93,20 @@ def normal(seed, counter):
     return jnp.float32(1.4142135623730951) * _erfinv(u)
 
 
+def normal_pair(seed, counter):
+    """Two standard normals from one hash, 16 random bits each (|z| <= 4.4).
+
+    For the programming model (pulse-to-pulse variation, verify reads), where
+    a 1-in-65536 resolution of the distribution is far below what matters.
+    """
+    b = bits(seed, counter)
+    scale = jnp.float32(2.0 / (1 << 16))
+    u1 = ((b >> 16).astype(jnp.float32) + 0.5) * scale - 1.0
+    u2 = ((b & jnp.uint32(0xFFFF)).astype(jnp.float32) + 0.5) * scale - 1.0
+    root2 = jnp.float32(1.4142135623730951)
+    return root2 * _erfinv(u1), root2 * _erfinv(u2)
+
+
 def normal_array(seed, shape):
     """A fresh array of standard normals, counters 0..size-1."""
     size = 1

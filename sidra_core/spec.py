@@ -195,6 +195,11 @@ class ChipSpec:
     def __post_init__(self):
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             raise ValueError(f"ChipSpec.seed = {self.seed!r} is out of range; allowed [0, 2**63)")
+        # Specs key memoised cost functions and jit caches on every op: hash the tree once.
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def quantised(self) -> bool:

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from sidra_core import conv_weight_matrix, cost
+
 from . import runtime
-from . import tensor as _t
 from .weights import resident, weight_base
 
 aten = torch.ops.aten
@@ -193,8 +194,6 @@ def convolution(func, args, uargs, ukwargs):
     stride, padding, dilation, transposed, _, groups = uargs[3:9]
     if transposed or weight_base(w) is None or w.dim() not in (3, 4, 5) or isinstance(padding, str):
         return host(func, args, uargs, ukwargs)
-    from sidra_core import conv_weight_matrix
-
     chip = runtime.current_chip()
     res = resident(chip, w, False, matrix_fn=lambda v, _: conv_weight_matrix(
         v._inner.detach().to(torch.float32).numpy(), groups))
@@ -231,8 +230,6 @@ def _round_engine(t: torch.Tensor) -> torch.Tensor:
 
 def _elementwise_finish(out, numel: int):
     chip = runtime.current_chip()
-    from sidra_core import cost
-
     chip.clock.charge(cost.engine("elementwise", numel, chip.spec), engine_ops=1)
     return _round_engine(out) if isinstance(out, torch.Tensor) else out
 
@@ -243,8 +240,6 @@ def elementwise(func, args, uargs, ukwargs):
     if isinstance(out, torch.Tensor):
         return _elementwise_finish(out, max(out.numel(), _max_numel(uargs)))
     chip = runtime.current_chip()
-    from sidra_core import cost
-
     chip.clock.charge(cost.engine("elementwise", _max_numel(uargs), chip.spec), engine_ops=1)
     return out
 
@@ -253,8 +248,6 @@ def elementwise_inplace(func, args, uargs, ukwargs):
     """In-place arithmetic: computed exactly (optimizer updates must not be rounded), priced on the engine."""
     out = func._op(*uargs, **ukwargs)
     chip = runtime.current_chip()
-    from sidra_core import cost
-
     chip.clock.charge(cost.engine("elementwise", _max_numel(uargs), chip.spec), engine_ops=1)
     return out
 

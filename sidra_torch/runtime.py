@@ -66,6 +66,9 @@ def _get_chip(spec: ChipSpec, seed: int) -> Chip:
 
 def current_chip() -> Chip:
     """The chip ops run on now (the `y1` preset unless another was chosen)."""
+    chip = _STATE.chip
+    if chip is not None:
+        return chip
     with _STATE.lock:
         if _STATE.chip is None:
             _STATE.chip = _get_chip(sidra_core.preset("y1"), _STATE.seed)
