@@ -99,6 +99,11 @@ class DeviceClock:
                     raise ValueError(f"unknown counters {[k]}; known: {list(COUNTS)}")
                 c[k] += int(v)
 
+    def raw(self) -> tuple:
+        """(busy s, energies tuple, counts dict): a cheap reading for per-op deltas."""
+        with self._lock:
+            return self._busy, tuple(self._energy), dict(self._counts)
+
     def advance(self, seconds: float) -> float:
         if not seconds >= 0:
             raise ValueError(f"the device clock only moves forward; got {seconds!r} s")

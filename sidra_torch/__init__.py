@@ -25,6 +25,7 @@ if _torch_version() < MIN_TORCH:
         f"this is torch {torch.__version__}. Upgrade with: pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}'"
     )
 
+from . import profiler  # noqa: E402
 from . import weights as _weights  # noqa: E402
 from ._registration import register  # noqa: E402
 from .runtime import (Event, advance, counters, current_chip, device_time, manual_seed, reset_counters,  # noqa: E402
@@ -40,5 +41,5 @@ DEVICE = torch.device("sidra", 0)
 torch.nn.modules.module.register_module_forward_pre_hook(_weights._tag_module)
 _tensor._view_tag = _weights._view_tag
 
-__all__ = ["DEVICE", "Event", "SidraTensor", "advance", "counters", "current_chip", "device_time",
+__all__ = ["DEVICE", "Event", "profiler", "SidraTensor", "advance", "counters", "current_chip", "device_time",
            "manual_seed", "register", "reset_counters", "set_chip", "unwrap", "use_chip", "wrap"]

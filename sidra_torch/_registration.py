@@ -79,6 +79,20 @@ def _nbytes(out) -> int:
     return sum(_nbytes(o) for o in out) if isinstance(out, (tuple, list)) else 0
 
 
+def _factory(op, args, _uargs, kwargs):
+    return _new_on_device(op(*args, **_cpu_kwargs(kwargs)))
+
+
+_factory.where = "memory"
+
+
+def _run_observed(op, runner, args, kwargs):
+    """Kernels on the PrivateUse1 key bypass __torch_dispatch__: let the profiler see them too."""
+    if _t.observer is not None:
+        return _t.observer(op, runner, args, args, kwargs)
+    return runner(op, args, args, kwargs)
+
+
 def _factory_fallback(op, *args, **kwargs):
     """Boxed fallback on PrivateUse1: any op that reaches the sidra backend key
     without a Python-key tensor (i.e. factories: empty.memory_format,
@@ -87,12 +101,12 @@ def _factory_fallback(op, *args, **kwargs):
         # a plain (non-wrapper) PrivateUse1 tensor would land here; we never
         # create those, so this is a bug
         raise NotImplementedError(f"sidra fallback: unexpected tensor args for {op}")
-    return _new_on_device(op(*args, **_cpu_kwargs(kwargs)))
+    return _run_observed(op, _factory, args, kwargs)
 
 
 def _make_factory_kernel(op_overload):
     def kernel(*args, **kwargs):
-        return _new_on_device(op_overload(*args, **_cpu_kwargs(kwargs)))
+        return _run_observed(op_overload, _factory, args, kwargs)
 
     return kernel
 
@@ -134,6 +148,17 @@ def _register_factories():
 
 
 def _copy_from(src, dst, non_blocking=False):
+    return _run_observed(torch.ops.aten._copy_from.default, _copy_from_runner, (src, dst, non_blocking), {})
+
+
+def _copy_from_runner(_op, args, _uargs, _kwargs):
+    return _copy_from_impl(*args)
+
+
+_copy_from_runner.where = "memory"
+
+
+def _copy_from_impl(src, dst, non_blocking=False):
     # Reached when the Python key is excluded (torch.tensor(..., device=) does
     # that) and copy_'s CompositeExplicitAutograd kernel calls _copy_from for a
     # non-CPU destination.  A *boxed fallback* cannot handle this: the Python

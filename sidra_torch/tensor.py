@@ -15,6 +15,7 @@ import sys as _sys
 import weakref as _weakref
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 from torch._C import _disabled_torch_function_impl
 
 from . import runtime as _runtime
@@ -264,7 +265,8 @@ _MIXED_DEVICE_OK = {
 # per-op analysis cache
 # --------------------------------------------------------------------------
 class _OpInfo:
-    __slots__ = ("kind", "mut_args", "check", "has_device", "name", "view", "op", "special", "meta_mut", "runner")
+    __slots__ = ("kind", "mut_args", "check", "has_device", "name", "view", "op", "special", "meta_mut", "runner",
+                 "special_runner")
 
     FUNCTIONAL, MUTATING, VIEW = 0, 1, 2
 
@@ -276,6 +278,10 @@ def _analyze(func) -> _OpInfo:
     info = _OpInfo()
     info.op = func._op  # the C++ callable; skips OpOverload.__call__'s frame
     info.special = _SPECIAL.get(func)
+    if info.special is not None:  # transfers and copies, as a runner the profiler can time
+        special = info.special
+        info.special_runner = lambda f, args, _u, kwargs: special(f, args, kwargs)
+        info.special_runner.where = "memory"
     schema = func._schema
     info.name = schema.name
     info.check = func not in _MIXED_DEVICE_OK
@@ -403,6 +409,24 @@ def _wrap_out(r):
 
 # Set by weights.py: links a view of a weight to its base (callable(func, args, out)).
 _view_tag = None
+# Set while a profiler records: observer(func, runner, args, uargs, ukwargs) runs the
+# device op and measures it (runner.where says crossbar / engine / memory / host).
+observer = None
+_enter_range = torch.ops.profiler._record_function_enter_new
+_exit_range = torch.ops.profiler._record_function_exit._RecordFunction
+
+
+def op_name(func) -> str:
+    return "sidra::" + func._schema.name.split("::")[-1]
+
+
+def _ranged(func, runner, args, uargs, ukwargs):
+    """A device op under PyTorch's own profiler: a `sidra::<op>` range around it."""
+    rec = _enter_range(op_name(func), None)
+    try:
+        return runner(func, args, uargs, ukwargs)
+    finally:
+        _exit_range(rec)
 
 
 # --------------------------------------------------------------------------
@@ -518,6 +542,8 @@ def _torch_dispatch(cls, func, types, args=(), kwargs=None):
     except AttributeError:
         info = _analyze(func)
     if info.special is not None:
+        if observer is not None:
+            return observer(func, info.special_runner, args, args, kwargs or {})
         return info.special(func, args, kwargs or {})
     uargs = _unwrap_args(args, info.check)
     do_wrap = True
@@ -537,7 +563,12 @@ def _torch_dispatch(cls, func, types, args=(), kwargs=None):
                     if _has_tensor(v):
                         v = _unwrap_seq(v, info.check)
                 ukwargs[k] = v
-        out = runner(func, args, uargs, ukwargs)
+        if observer is not None:
+            out = observer(func, runner, args, uargs, ukwargs)
+        elif _autograd_profiler._is_profiler_enabled:
+            out = _ranged(func, runner, args, uargs, ukwargs)
+        else:
+            out = runner(func, args, uargs, ukwargs)
     elif kwargs:
         if info.has_device:
             kwargs, do_wrap = _fix_device_kw(kwargs)

@@ -1,0 +1,127 @@
+"""The device profiler, mirroring torch.profiler:
+
+    with sidra_torch.profiler.profile() as prof:
+        y = model(x)
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=10))
+    prof.export_chrome_trace("trace.json")   # open in Perfetto / chrome://tracing
+
+Per op: calls, simulated device time, energy, where it ran (crossbar, engine,
+memory, host), host-link bytes and host simulation time. User ranges from
+`torch.profiler.record_function` appear as rows and on the timeline. Under
+PyTorch's own `torch.profiler.profile(activities=[..., ProfilerActivity.SIDRA])`
+each device op shows up as a `sidra::<op>` range.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch.autograd.profiler as _autograd_profiler
+
+from sidra_core.cost import Cost
+from sidra_core.report import OpRecord, key_averages
+
+from . import runtime
+from . import tensor as _t
+
+from .tensor import _enter_range, _exit_range, op_name as _op_name
+
+
+def _delta(before, after) -> tuple[Cost, dict]:
+    (b0, e0, c0), (b1, e1, c1) = before, after
+    cost = Cost(b1 - b0, *(y - x for x, y in zip(e0, e1)))
+    return cost, {k: c1[k] - c0[k] for k in c1}
+
+
+class profile:
+    """Records every device op (and user range) between __enter__ and __exit__."""
+
+    def __init__(self, *, record_ranges: bool = True):
+        self.records: list[OpRecord] = []
+        self.ranges: list[OpRecord] = []
+        self._record_ranges = record_ranges
+        self._stack: list = []
+        self._saved = None
+
+    # -- recording ----------------------------------------------------------
+
+    def _observe(self, func, runner, args, uargs, ukwargs):
+        clock = runtime.current_chip().clock
+        before = clock.raw()
+        start = clock.now
+        t0 = time.perf_counter()
+        rec = _enter_range(_op_name(func), None) if self._record_ranges else None
+        try:
+            out = runner(func, args, uargs, ukwargs)
+        finally:
+            if rec is not None:
+                _exit_range(rec)
+        host_s = time.perf_counter() - t0
+        cost, counts = _delta(before, clock.raw())
+        where = "host" if counts["fallback_ops"] or counts["host_bytes"] else getattr(runner, "where", "engine")
+        self.records.append(OpRecord(_op_name(func), where, cost, counts["host_bytes"], host_s, start))
+        return out
+
+    def _range_enter(self, name):
+        clock = runtime.current_chip().clock
+        self._stack.append((name, clock.raw(), clock.now, time.perf_counter()))
+
+    def _range_exit(self):
+        name, before, start, t0 = self._stack.pop()
+        clock = runtime.current_chip().clock
+        cost, counts = _delta(before, clock.raw())
+        self.ranges.append(OpRecord(name, "user range", cost, counts["host_bytes"], time.perf_counter() - t0, start))
+
+    def __enter__(self):
+        if _t.observer is not None:
+            raise RuntimeError("a sidra_torch profiler is already recording; nest record_function ranges instead")
+        _t.observer = self._observe
+        self._saved = (_autograd_profiler.record_function.__enter__, _autograd_profiler.record_function.__exit__)
+        prof = self
+        enter, exit_ = self._saved
+
+        def rf_enter(rf):
+            prof._range_enter(rf.name)
+            return enter(rf)
+
+        def rf_exit(rf, *exc):
+            try:
+                return exit_(rf, *exc)
+            finally:
+                prof._range_exit()
+
+        _autograd_profiler.record_function.__enter__ = rf_enter
+        _autograd_profiler.record_function.__exit__ = rf_exit
+        return self
+
+    def __exit__(self, *exc):
+        _t.observer = None
+        _autograd_profiler.record_function.__enter__, _autograd_profiler.record_function.__exit__ = self._saved
+        return False
+
+    # -- results --------------------------------------------------------------
+
+    def key_averages(self):
+        """Rows per op name (and per user range), with `.table(sort_by=..., row_limit=...)`."""
+        return key_averages(self.records + self.ranges)
+
+    @property
+    def total(self) -> Cost:
+        return self.key_averages().total
+
+    def export_chrome_trace(self, path: str) -> None:
+        """A device timeline (simulated clock) in the Chrome trace format: one event per device op."""
+        lanes = {"crossbar": 1, "engine": 2, "memory": 3, "host": 4, "user range": 0}
+        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "SIDRA device (simulated clock)"}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
+                   for lane, tid in lanes.items()]
+        for r in self.ranges + self.records:
+            events.append({
+                "name": r.name, "ph": "X", "pid": 0, "tid": lanes.get(r.where, 5), "cat": r.where,
+                "ts": r.start_s * 1e6, "dur": r.cost.latency_s * 1e6,
+                "args": {"energy_J": r.cost.energy_j, "host_bytes": r.host_bytes, "host_sim_s": r.host_s,
+                         **{f"energy_{k}_J": v for k, v in r.cost.energy_by_component().items() if v}},
+            })
+        with open(path, "w") as fh:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)
