@@ -129,6 +129,20 @@ def _linear(x: torch.Tensor, w_view, transpose: bool, bias: torch.Tensor | None)
     return _to_torch(y, x.dtype)
 
 
+def linear_dynamic(func, args, uargs, ukwargs):
+    """quantized::linear_dynamic of a quantize_dynamic model: its INT8 codes on the crossbar."""
+    from .weights import quantised_resident
+
+    x = uargs[0]
+    chip = runtime.current_chip()
+    found = quantised_resident(chip, args[1])
+    if found is None:  # called outside a quantized Linear module: no home for its tiles
+        return host(func, args, uargs, ukwargs)
+    res, bias = found
+    y = chip.linear(res, _to_jax(x), None if bias is None else _to_jax(bias))
+    return _to_torch(y, x.dtype)
+
+
 def _engine_matmul(a: torch.Tensor, b: torch.Tensor):
     chip = runtime.current_chip()
     return _to_torch(chip.matmul(_to_jax(a), _to_jax(b)), a.dtype)
@@ -385,6 +399,7 @@ CROSSBAR = {
     aten.mm.default: mm, aten.addmm.default: addmm, aten.linear.default: linear,
     aten.matmul.default: matmul, aten.convolution.default: convolution,
     aten.conv1d.default: conv_nd, aten.conv2d.default: conv_nd, aten.conv3d.default: conv_nd,
+    torch.ops.quantized.linear_dynamic.default: linear_dynamic,
 }
 
 ENGINE = {

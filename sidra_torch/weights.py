@@ -10,8 +10,13 @@ rewritten, which is done incrementally by ISPP.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
+from torch.ao.nn.quantized.dynamic import Linear as _DynamicQuantLinear
+
+from sidra_core import from_int8
 
 from . import tensor as _t
 
@@ -50,8 +55,17 @@ def _view_tag(func, args, res):
                 r.__dict__[_BASE] = base
 
 
+class _Running(threading.local):
+    qlinear = None  # the dynamically quantised Linear whose forward is running
+
+
+_RUNNING = _Running()
+
+
 def _tag_module(module, args):
     """Forward pre-hook on every module: name its device parameters and buffers (once)."""
+    if isinstance(module, _DynamicQuantLinear):
+        _RUNNING.qlinear = module
     if module.__dict__.get("_sidra_tagged"):
         return
     found = False
@@ -173,3 +187,44 @@ def resident(chip, view, transpose: bool = False, matrix_fn=matrix):
 def residents_of(base) -> list:
     """Every programmed copy of a weight (one per chip and view)."""
     return [e[0] for e in base.__dict__.get(_TABLE, {}).values()]
+
+
+# ---------------------------------------------------------------------------
+# Models quantised by torch.ao (quantize_dynamic): their own INT8 codes go to the tiles.
+
+def quantised_resident(chip, packed):
+    """The chip's copy of a dynamically quantised Linear, programmed from its INT8 codes and scales.
+
+    Packed parameters reach dispatch as fresh Python objects each call, so the
+    programmed copy is kept on the module whose forward is running (and freed
+    with it). The packed parameters are immutable: programmed once per chip.
+    Returns (resident, bias) or None outside such a module's forward.
+    """
+    module = _RUNNING.qlinear
+    if module is None:
+        return None
+    qweight, bias = torch.ops.quantized.linear_unpack(packed)
+    table = _table(module)
+    entry = table.get(id(chip))
+    if entry is None:
+        codes, scale = int8_codes(qweight)
+        name = module.__dict__.get(_NAME, "quantized.Linear")
+        res = chip.program(quantised=from_int8(np.ascontiguousarray(codes.T), scale), name=name)
+        entry = table[id(chip)] = (res, None, chip)
+    return entry[0], bias
+
+
+def int8_codes(qweight) -> tuple[np.ndarray, np.ndarray]:
+    """(codes (N, K) int8, scale (N,)) of a symmetric qint8 weight, per tensor or per channel."""
+    scheme = qweight.qscheme()
+    if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        zero = np.array([qweight.q_zero_point()])
+        scale = np.full(qweight.shape[0], qweight.q_scale(), np.float32)
+    elif scheme in (torch.per_channel_affine, torch.per_channel_symmetric) and qweight.q_per_channel_axis() == 0:
+        zero = qweight.q_per_channel_zero_points().numpy()
+        scale = qweight.q_per_channel_scales().numpy().astype(np.float32)
+    else:
+        raise NotImplementedError(f"SIDRA programs symmetric qint8 weights per tensor or per output channel; got {scheme}")
+    if np.any(zero != 0):
+        raise NotImplementedError("SIDRA's differential cells hold symmetric INT8 codes: the weight's zero point must be 0")
+    return qweight.int_repr().numpy(), scale
