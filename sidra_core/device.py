@@ -234,6 +234,16 @@ class Chip:
         self.clock.charge(cost.host_transfer(nbytes, self.spec, transfers), host_transfers=transfers,
                           host_bytes=nbytes, fallback_ops=int(fallback))
 
+    def set_drift_compensation(self, enabled: bool) -> None:
+        """Switch the global drift compensation (a per-tile gain from a reference read) on or off.
+
+        A read-out setting of the same chip: the programmed cells are kept.
+        """
+        with self._lock:
+            self.spec = self.spec.replace(noise__drift_compensation=bool(enabled))
+            for r in self.residents:
+                r.snap = None
+
     def advance(self, seconds: float) -> float:
         """Jump the device clock (drift studies): an hour, a day, a year after programming."""
         return self.clock.advance(seconds)

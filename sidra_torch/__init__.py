@@ -28,8 +28,8 @@ if _torch_version() < MIN_TORCH:
 from . import profiler  # noqa: E402
 from . import weights as _weights  # noqa: E402
 from ._registration import register  # noqa: E402
-from .runtime import (Event, advance, counters, current_chip, device_time, manual_seed, reset_counters,  # noqa: E402
-                      set_chip, use_chip)
+from .runtime import (Event, advance, counters, current_chip, device_time, drift_compensation,  # noqa: E402
+                      manual_seed, reset_counters, set_chip, use_chip)
 from . import tensor as _tensor  # noqa: E402
 from .tensor import SidraTensor, unwrap, wrap  # noqa: E402
 
@@ -42,4 +42,5 @@ torch.nn.modules.module.register_module_forward_pre_hook(_weights._tag_module)
 _tensor._view_tag = _weights._view_tag
 
 __all__ = ["DEVICE", "Event", "profiler", "SidraTensor", "advance", "counters", "current_chip", "device_time",
+           "drift_compensation",
            "manual_seed", "register", "reset_counters", "set_chip", "unwrap", "use_chip", "wrap"]

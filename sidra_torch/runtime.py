@@ -185,6 +185,18 @@ def device_time() -> float:
     return current_chip().clock.now
 
 
+@contextlib.contextmanager
+def drift_compensation(enabled: bool = True):
+    """Read the current chip with global drift compensation on (or off) inside the block."""
+    chip = current_chip()
+    previous = chip.spec.noise.drift_compensation
+    chip.set_drift_compensation(enabled)
+    try:
+        yield chip
+    finally:
+        chip.set_drift_compensation(previous)
+
+
 def advance(seconds: float) -> float:
     """Jump the device clock, e.g. `advance(3600)` to read weights an hour after programming."""
     return current_chip().advance(seconds)

@@ -11,12 +11,13 @@ rewritten, which is done incrementally by ISPP.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 import torch
 from torch.ao.nn.quantized.dynamic import Linear as _DynamicQuantLinear
 
-from sidra_core import from_int8
+from sidra_core import EnduranceWarning, from_int8
 
 from . import tensor as _t
 
@@ -181,7 +182,24 @@ def resident(chip, view, transpose: bool = False, matrix_fn=matrix):
     if entry[1] != version:
         chip.reprogram(res, matrix_fn(view, transpose), version=version)
         table[key] = (res, version, chip)
+        _note_reprogram(chip, res)
     return res
+
+
+_REPROGRAMMED: dict = {}  # chip id -> ids of the residents reprogrammed so far
+
+
+def _note_reprogram(chip, res) -> None:
+    """Y1 trains the last layer on chip; warn once when training rewrites several layers."""
+    seen = _REPROGRAMMED.setdefault(id(chip), set())
+    if len(seen) == 1 and id(res) not in seen:
+        warnings.warn(
+            "more than one layer is being reprogrammed on the chip: full-model training rewrites every "
+            "layer's cells each step (ISPP pulses, time and energy are charged) and RRAM cells endure "
+            f"~{chip.spec.ispp.endurance:.0e} writes; Y1 is built for last-layer fine-tuning",
+            EnduranceWarning, stacklevel=4,
+        )
+    seen.add(id(res))
 
 
 def residents_of(base) -> list:
