@@ -137,11 +137,16 @@ def _engine_ops(ops: int, io_bytes: int, spec: ChipSpec) -> Cost:
 
 
 @functools.lru_cache(maxsize=4096)
-def memory(nbytes: int, spec: ChipSpec) -> Cost:
-    """Device memory (DRAM) traffic, e.g. an embedding lookup or a tensor copy."""
+def memory(nbytes: int, spec: ChipSpec, level: str = "dram") -> Cost:
+    """Memory traffic: `dram` (device memory: embedding tables, stored tensors) or `sram`
+    (the on-chip activation buffers: copies, concatenations, new activations)."""
     _check_dims(nbytes=nbytes)
     m = spec.memory
-    return Cost(latency_s=nbytes / m.dram_bw, memory=nbytes * m.dram_pj_per_byte * _PJ)
+    if level == "dram":
+        return Cost(latency_s=nbytes / m.dram_bw, memory=nbytes * m.dram_pj_per_byte * _PJ)
+    if level == "sram":
+        return Cost(latency_s=nbytes / m.sram_bw, memory=nbytes * m.sram_pj_per_byte * _PJ)
+    raise ValueError(f"cost model: memory level {level!r} is not 'dram' or 'sram'")
 
 
 @functools.lru_cache(maxsize=4096)

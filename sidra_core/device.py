@@ -227,8 +227,9 @@ class Chip:
         self.clock.charge(cost.engine_matmul(nb, m, kk, n, self.spec), engine_ops=1)
         return y
 
-    def charge_memory(self, nbytes: int) -> None:
-        self.clock.charge(cost.memory(nbytes, self.spec), memory_ops=1)
+    def charge_memory(self, nbytes: int, level: str = "dram") -> None:
+        """Data movement in device memory: `sram` for activations, `dram` for stored tensors."""
+        self.clock.charge(cost.memory(nbytes, self.spec, level), memory_ops=1)
 
     def charge_host(self, nbytes: int, transfers: int = 1, fallback: bool = False) -> None:
         self.clock.charge(cost.host_transfer(nbytes, self.spec, transfers), host_transfers=transfers,

@@ -85,9 +85,10 @@ class ADCSpec(_Section):
     enabled: bool = _f(True, doc="digitise each tile's column sums")
     bits: int = _f(8, 2, 16, doc="ADC resolution (signed)")
     full_scale: float = _f(
-        0.125, 1e-4, 1.0,
+        0.0625, 1e-4, 1.0,
         doc="full-scale range as a fraction of the largest sum the column can produce "
-        "(127 x sum|w| of that tile column); larger values clip less but resolve less",
+        "(127 x sum|w| of that tile column); larger values clip less but resolve less "
+        "(1/16: best MiniLM agreement; 1/32 clips, 1/8 resolves too coarsely)",
     )
 
 
@@ -152,6 +153,7 @@ class MemorySpec(_Section):
     dram_bytes: int = _f(4 << 30, 1, 1 << 50, doc="device memory capacity (bytes)")
     dram_bw: float = _f(200e9, 1e6, 1e15, doc="device memory bandwidth (B/s)")
     dram_pj_per_byte: float = _f(20.0, 0.0, 1e6, doc="device memory energy (pJ/B)")
+    sram_bw: float = _f(1e12, 1e6, 1e16, doc="on-chip SRAM buffer bandwidth (B/s)")
     sram_pj_per_byte: float = _f(1.0, 0.0, 1e6, doc="SRAM buffer energy (pJ/B)")
     host_bw: float = _f(16e9, 1e6, 1e15, doc="host link bandwidth (B/s)")
     host_latency_s: float = _f(2e-6, 0.0, 1.0, doc="host link latency per transfer (s)")
@@ -289,11 +291,12 @@ def _y1() -> ChipSpec:
     # Device figures from DEVICE_MODEL section 3 (tests/test_core_mvm.py measures each).
     return ChipSpec(
         name="y1",
-        ispp=ISPPSpec(tolerance=0.02),  # verify window +-2 % of G_max
+        ispp=ISPPSpec(tolerance=0.01),  # verify window +-1 % of G_max (~5 pulses a written cell)
         noise=NoiseSpec(
             read_sigma=0.0075,  # 0.75 % of G per read: middle of the 0.5-1 % RRAM range
-            # Relaxation after the last verify, 1.5 % of G: with the +-2 % window the programming
-            # error is ~1.2 % of G_max for low G and ~1.9 % near G_max (target 1-2 %).
+            # Relaxation after the last verify, 1.5 % of G: with the +-1 % window the programming
+            # error grows from ~0.6 % of G_max at low G to ~1.6 % near G_max (DEVICE_MODEL: ~1-2 %
+            # of G_max, growing with G). MiniLM embeddings then keep cosine ~0.985 with CPU.
             prog_relax_sigma=0.015,
             drift_nu_mean=0.01,  # RRAM nu ~ N(0.01, 0.004), t0 = 20 s
             drift_nu_std=0.004,

@@ -374,9 +374,11 @@ def sdpa(func, args, uargs, ukwargs):
 
 
 def memory(func, args, uargs, ukwargs):
-    """Data movement inside device memory: priced by the bytes written."""
+    """Data movement inside device memory, priced by the bytes written: reads of stored
+    weights (embedding tables) come from DRAM, activations move in the SRAM buffers."""
     out = func._op(*uargs, **ukwargs)
-    runtime.current_chip().charge_memory(_nbytes(out))
+    level = "dram" if any(weight_base(a) is not None for a in args[:2]) else "sram"
+    runtime.current_chip().charge_memory(_nbytes(out), level)
     return out
 
 
@@ -422,7 +424,8 @@ ELEMENTWISE = _ops(
     "mean.dim", "mean.default", "amax", "amin", "max.dim", "min.dim", "var.correction", "erf", "exp2",
     "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar",
     "gt.Tensor", "gt.Scalar", "ge.Tensor", "ge.Scalar", "logical_not", "logical_and", "logical_or",
-    "bitwise_not", "bitwise_and", "bitwise_or", "rsub.Scalar", "rsub.Tensor", "tril", "triu",
+    "bitwise_not", "bitwise_and.Tensor", "bitwise_or.Tensor", "bitwise_xor.Tensor", "bitwise_and.Scalar",
+    "bitwise_or.Scalar", "rsub.Scalar", "rsub.Tensor", "tril", "triu",
     "cumsum", "argmax", "argmin", "sign", "floor", "ceil", "round", "trunc", "hardtanh", "leaky_relu",
     "elu", "softplus", "mish", "hardswish", "hardsigmoid", "sin", "cos", "lerp.Scalar", "addcmul",
     "addcdiv", "threshold_backward", "gelu_backward", "tanh_backward", "sigmoid_backward",
@@ -438,8 +441,7 @@ ELEMENTWISE_INPLACE = _ops(
 MEMORY = _ops(
     "embedding", "index_select", "cat", "stack", "clone", "gather", "index.Tensor", "fill_.Scalar",
     "fill_.Tensor", "zero_", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
-    "new_full", "new_empty", "new_empty_strided", "empty.memory_format", "empty_strided", "_unsafe_view",
-    "contiguous", "repeat", "flip", "roll", "constant_pad_nd", "scatter.src", "scatter.value",
+    "new_full", "new_empty", "new_empty_strided", "empty.memory_format", "empty_strided", "contiguous", "repeat", "flip", "roll", "constant_pad_nd", "scatter.src", "scatter.value",
     "index_put_", "index_put", "_index_put_impl_", "slice_scatter", "select_scatter", "masked_select",
     "nonzero", "arange.start_step", "arange.default", "arange.start", "expand_copy", "_to_copy",
     "lift_fresh", "alias", "detach", "split_with_sizes_copy", "unbind_copy", "embedding_dense_backward",
@@ -447,7 +449,7 @@ MEMORY = _ops(
 )
 
 # Queries that read metadata or a single value and change nothing on the device.
-FREE = _ops("_local_scalar_dense", "is_same_size", "equal", "is_nonzero", "sym_size.int", "sym_stride.int",
+FREE = _ops("_unsafe_view", "_local_scalar_dense", "is_same_size", "equal", "is_nonzero", "sym_size.int", "sym_stride.int",
             "sym_numel", "sym_storage_offset", "_has_compatible_shallow_copy_type", "set_.source_Storage_storage_offset")
 
 

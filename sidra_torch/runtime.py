@@ -110,6 +110,26 @@ def initial_seed() -> int:
     return _STATE.seed
 
 
+# -- programming progress ---------------------------------------------------
+
+_PROGRAM_LISTENERS: list = []
+
+
+@contextlib.contextmanager
+def on_programmed(callback):
+    """Call `callback(resident)` each time a weight is programmed into crossbars (progress bars)."""
+    _PROGRAM_LISTENERS.append(callback)
+    try:
+        yield
+    finally:
+        _PROGRAM_LISTENERS.remove(callback)
+
+
+def notify_programmed(resident) -> None:
+    for cb in list(_PROGRAM_LISTENERS):
+        cb(resident)
+
+
 # -- memory ---------------------------------------------------------------
 
 

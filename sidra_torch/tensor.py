@@ -449,7 +449,7 @@ def _to_copy(func, args, kwargs):
     out = func(inner, *args[1:], **kw)
     track_new(out)
     if isinstance(x, SidraTensor):
-        _runtime.current_chip().charge_memory(out.numel() * out.element_size())
+        _runtime.current_chip().charge_memory(out.numel() * out.element_size(), "sram")
     else:
         _runtime.current_chip().charge_host(out.numel() * out.element_size())
     return _wrap(out)
@@ -469,9 +469,9 @@ def charge_copy(dst, src, d) -> None:
     nbytes = d.numel() * d.element_size()
     chip = _runtime.current_chip()
     if isinstance(dst, SidraTensor) and isinstance(src, SidraTensor):
-        chip.charge_memory(nbytes)
+        chip.charge_memory(nbytes, "sram")
     elif isinstance(src, _Tensor) and src.dim() == 0 and not isinstance(src, SidraTensor):
-        chip.charge_memory(nbytes)  # a host scalar broadcast into device memory
+        chip.charge_memory(nbytes, "sram")  # a host scalar broadcast into device memory
     else:
         chip.charge_host(nbytes)
 

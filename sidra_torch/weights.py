@@ -19,6 +19,7 @@ from torch.ao.nn.quantized.dynamic import Linear as _DynamicQuantLinear
 
 from sidra_core import EnduranceWarning, from_int8
 
+from . import runtime
 from . import tensor as _t
 
 _BASE = "_sidra_weight_base"
@@ -112,8 +113,6 @@ def crossbar_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, t
 
 def _check_fits(module) -> None:
     """Before a module's first forward: will all its crossbar weights fit on the chip?"""
-    from . import runtime
-
     chip = runtime.current_chip()
     pending = [shape for _, w, shape in crossbar_weights(module)
                if not any(k[0] == id(chip) for k in w.__dict__.get(_TABLE, ()))]
@@ -177,6 +176,7 @@ def resident(chip, view, transpose: bool = False, matrix_fn=matrix):
     if entry is None:
         res = chip.program(matrix_fn(view, transpose), name=weight_name(base), version=version)
         table[key] = (res, version, chip)
+        runtime.notify_programmed(res)
         return res
     res = entry[0]
     if entry[1] != version:
@@ -229,6 +229,7 @@ def quantised_resident(chip, packed):
         name = module.__dict__.get(_NAME, "quantized.Linear")
         res = chip.program(quantised=from_int8(np.ascontiguousarray(codes.T), scale), name=name)
         entry = table[id(chip)] = (res, None, chip)
+        runtime.notify_programmed(res)
     return entry[0], bias
 
 
