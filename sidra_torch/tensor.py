@@ -326,22 +326,18 @@ def _analyze(func) -> _OpInfo:
 # --------------------------------------------------------------------------
 # unwrap / wrap helpers (hand-written instead of pytree: ~3x cheaper)
 # --------------------------------------------------------------------------
+def _unwrap_tensor(a, check):
+    """The device memory of a sidra tensor; a host tensor passes only as a 0-dim scalar (like CUDA)."""
+    if isinstance(a, SidraTensor):
+        return a._inner
+    if check and a.dim() != 0 and a.device.type != "meta":
+        raise _device_error(a.device)
+    return a
+
+
 def _unwrap_seq(seq, check):
-    out = []
-    for a in seq:
-        t = type(a)
-        if t is SidraTensor:
-            out.append(a._inner)
-        elif a is not None and isinstance(a, _Tensor):
-            if t is not SidraTensor and isinstance(a, SidraTensor):  # subclass
-                out.append(a._inner)
-                continue
-            if check and a.dim() != 0 and a.device.type != "meta":
-                raise _device_error(a.device)
-            out.append(a)
-        else:
-            out.append(a)
-    return out
+    return [a._inner if type(a) is SidraTensor else _unwrap_tensor(a, check) if isinstance(a, _Tensor) else a
+            for a in seq]
 
 
 def _unwrap_args(args, check):
@@ -353,14 +349,20 @@ def _unwrap_args(args, check):
         elif t is list or t is tuple:
             out.append(_unwrap_seq(a, check) if a and _has_tensor(a) else a)
         elif isinstance(a, _Tensor):
-            if isinstance(a, SidraTensor):
-                out.append(a._inner)
-                continue
-            if check and a.dim() != 0 and a.device.type != "meta":
-                raise _device_error(a.device)
-            out.append(a)
+            out.append(_unwrap_tensor(a, check))
         else:
             out.append(a)
+    return out
+
+
+def _unwrap_kwargs(kwargs, check) -> dict:
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, _Tensor):
+            v = _unwrap_tensor(v, check)
+        elif (type(v) is list or type(v) is tuple) and _has_tensor(v):
+            v = _unwrap_seq(v, check)
+        out[k] = v
     return out
 
 
@@ -547,42 +549,20 @@ def _torch_dispatch(cls, func, types, args=(), kwargs=None):
         return info.special(func, args, kwargs or {})
     uargs = _unwrap_args(args, info.check)
     do_wrap = True
+    ukwargs = {}
+    if kwargs:
+        if info.has_device:
+            kwargs, do_wrap = _fix_device_kw(kwargs)
+        ukwargs = _unwrap_kwargs(kwargs, info.check)
     runner = info.runner if not _runtime.QUIET.on else None
     if runner is not None:
-        ukwargs = {}
-        if kwargs:
-            if info.has_device:
-                kwargs, do_wrap = _fix_device_kw(kwargs)
-            for k, v in kwargs.items():
-                if isinstance(v, _Tensor):
-                    if isinstance(v, SidraTensor):
-                        v = v._inner
-                    elif info.check and v.dim() != 0:
-                        raise _device_error(v.device)
-                elif type(v) is list or type(v) is tuple:
-                    if _has_tensor(v):
-                        v = _unwrap_seq(v, info.check)
-                ukwargs[k] = v
         if observer is not None:
             out = observer(func, runner, args, uargs, ukwargs)
         elif _autograd_profiler._is_profiler_enabled:
             out = _ranged(func, runner, args, uargs, ukwargs)
         else:
             out = runner(func, args, uargs, ukwargs)
-    elif kwargs:
-        if info.has_device:
-            kwargs, do_wrap = _fix_device_kw(kwargs)
-        ukwargs = {}
-        for k, v in kwargs.items():
-            if isinstance(v, _Tensor):
-                if isinstance(v, SidraTensor):
-                    v = v._inner
-                elif info.check and v.dim() != 0:
-                    raise _device_error(v.device)
-            elif type(v) is list or type(v) is tuple:
-                if _has_tensor(v):
-                    v = _unwrap_seq(v, info.check)
-            ukwargs[k] = v
+    elif ukwargs:
         out = info.op(*uargs, **ukwargs)
     else:
         out = info.op(*uargs)
