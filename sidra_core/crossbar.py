@@ -247,9 +247,10 @@ def reprogram(
 ) -> ProgrammedWeight:
     """Incrementally reprogram: only cells whose target changed are written, from their present G.
 
-    The present conductance includes drift up to `t_now`. The weight scale of
-    the state is kept (a fine-tuning step moves codes, not the ADC/scale
-    calibration) unless new INT8 codes and scales are given.
+    The present conductance includes drift up to `t_now`. Each column keeps
+    its weight scale (a fine-tuning step moves codes, not the calibration)
+    unless the new weight would saturate it, then the scale grows; given
+    INT8 codes and scales are used as they are.
     """
     if spec is None:
         raise ValueError("reprogram() needs a ChipSpec")
@@ -264,8 +265,11 @@ def reprogram(
         target_w, codes, scale = _pad(w, grid), state.codes, state.scale
     else:
         if quantised is None:
-            codes_new = np.clip(np.rint(w / state.scale[None, :]), -QMAX, QMAX).astype(np.int8)
-            quantised = from_int8(codes_new, state.scale)
+            # Keep each column's scale (so a small update rewrites few cells), but let it grow
+            # where the new weight would saturate: a column whose scale grows is rewritten whole.
+            scale = np.maximum(state.scale, quantise_weight(w, spec).scale).astype(np.float32)
+            codes_new = np.clip(np.rint(w / scale[None, :]), -QMAX, QMAX).astype(np.int8)
+            quantised = from_int8(codes_new, scale)
         target_w, codes, scale = None, _pad(quantised.codes, grid), quantised.scale
     state = dataclasses.replace(state, scale=scale)
     old_p, old_m = _pair_targets(state.codes, state.target_w, state, spec)

@@ -68,7 +68,7 @@ class Chip:
     spec: ChipSpec
     seed: int = 0
     clock: DeviceClock = field(default_factory=DeviceClock, repr=False)
-    residents: list[Resident] = field(default_factory=list)
+    _residents: list[Resident] = field(default_factory=list, repr=False)
     _op_counter: int = 0
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
@@ -83,14 +83,25 @@ class Chip:
         return system_tiles(self.spec)
 
     @property
+    def residents(self) -> list[Resident]:
+        """The weights programmed on the chip now, in programming order."""
+        return [r for r in self._residents if not r.freed]
+
+    @property
     def tiles_in_use(self) -> int:
         return sum(r.tiles for r in self.residents)
+
+    def _compact(self) -> None:
+        """Drop freed weights from the resident list (under the lock)."""
+        if any(r.freed for r in self._residents):
+            self._residents = self.residents
 
     def _allocate(self, tiles: int, name: str) -> np.ndarray:
         """The lowest-numbered free tiles; a weight's tiles need not be adjacent
         (each tile has its own periphery), so freed tiles are always reusable."""
+        self._compact()
         used = np.zeros(self.tiles_total, bool)
-        for r in self.residents:
+        for r in self._residents:
             used[list(r.tile_ids)] = True
         free = np.flatnonzero(~used)
         if free.size < tiles:
@@ -128,7 +139,7 @@ class Chip:
             state = crossbar.program(w, self.spec, seed=self.next_seed(), t_now=self.clock.now,
                                      tile_ids=tiles, quantised=quantised)
             res = Resident(name=name, state=state, version=version)
-            self.residents.append(res)
+            self._residents.append(res)
             self._charge_programming(state)
             return res
 
@@ -159,10 +170,10 @@ class Chip:
             raise RuntimeError(f"weight {res.name!r} was freed from the chip; program it again")
 
     def free(self, res: Resident) -> None:
-        with self._lock:
-            res.freed = True
-            res.snap = None
-            self.residents = [r for r in self.residents if r is not res]
+        """Release a weight's tiles. Lock-free: it may run from a garbage collection in any
+        thread (even an ISPP worker while `program` holds the lock); the list is compacted later."""
+        res.freed = True
+        res.snap = None
 
     # -- reads ---------------------------------------------------------------
 

@@ -30,16 +30,12 @@ from . import weights as _weights  # noqa: E402
 from ._registration import register  # noqa: E402
 from .runtime import (Event, advance, counters, current_chip, device_time, drift_compensation,  # noqa: E402
                       manual_seed, reset_counters, set_chip, use_chip)
-from . import tensor as _tensor  # noqa: E402
 from .tensor import SidraTensor, unwrap, wrap  # noqa: E402
 
 register()
 DEVICE = torch.device("sidra", 0)
 
-# Name device parameters and buffers as modules run (for reports) and check that a
-# model fits on the chip before its first weight is programmed.
-torch.nn.modules.module.register_module_forward_pre_hook(_weights._tag_module)
-_tensor._view_tag = _weights._view_tag
+_weights.install()
 
 __all__ = ["DEVICE", "Event", "profiler", "SidraTensor", "advance", "counters", "current_chip", "device_time",
            "drift_compensation",

@@ -197,6 +197,8 @@ def matmul(func, args, uargs, ukwargs):
     a, b = args[0], args[1]
     if weight_base(b) is not None and weight_base(a) is None and b.dim() == 2:
         return _linear(uargs[0], b, False, None)
+    if weight_base(a) is not None and weight_base(b) is None and a.dim() == 2 and b.dim() == 2:
+        return _linear(uargs[1].t(), a, True, None).t()  # W @ x = (x^T @ W^T)^T
     if weight_base(a) is None and weight_base(b) is None and a.dim() >= 2 and b.dim() >= 2:
         return _engine_matmul(uargs[0], uargs[1])
     return host(func, args, uargs, ukwargs)
@@ -302,6 +304,38 @@ def softmax(func, args, uargs, ukwargs):
     name = "log_softmax" if func in (aten._log_softmax.default,) else "softmax"
     out = _engine_op(name, x, axis=int(dim))
     return out.to(torch.float32) if half_to_float else out
+
+
+def softmax_int(func, args, uargs, ukwargs):
+    """softmax.int / log_softmax.int (whole under inference_mode): (x, dim, dtype=None)."""
+    x, dim = uargs[0], int(uargs[1])
+    dtype = ukwargs.get("dtype", uargs[2] if len(uargs) > 2 else None)
+    name = "log_softmax" if func is aten.log_softmax.int else "softmax"
+    out = _engine_op(name, x if dtype is None else x.to(dtype), axis=dim)
+    return out
+
+
+def layer_norm_whole(func, args, uargs, ukwargs):
+    """layer_norm (whole under inference_mode): (x, normalized_shape, weight, bias, eps, cudnn_enable)."""
+    names = ("weight", "bias", "eps")
+    vals = [uargs[2 + i] if len(uargs) > 2 + i else ukwargs.get(n, d) for i, (n, d) in enumerate(zip(names, (None, None, 1e-5)))]
+    return layer_norm(func, args, [uargs[0], uargs[1], *vals], {})[0]
+
+
+def batch_norm_whole(func, args, uargs, ukwargs):
+    """batch_norm (whole under inference_mode): (x, w, b, running_mean, running_var, training, momentum, eps, cudnn)."""
+    x, w, b, rm, rv, training, momentum, eps = uargs[:8]
+    if training or rm is None:
+        return host(func, args, uargs, ukwargs)
+    return batch_norm_inference(func, args, [x, w, b, rm, rv, momentum, eps], {})[0]
+
+
+def dropout(func, args, uargs, ukwargs):
+    """dropout(x, p, train): the identity in eval mode (no device work); training dropout on the host."""
+    train = ukwargs.get("train", uargs[2] if len(uargs) > 2 else True)
+    if not train or uargs[1] == 0:
+        return uargs[0]
+    return host(func, args, uargs, ukwargs)
 
 
 def safe_softmax(func, args, uargs, ukwargs):
@@ -410,6 +444,9 @@ ENGINE = {
     aten.tanh.default: unary("tanh"), aten.sigmoid.default: unary("sigmoid"), aten.silu.default: unary("silu"),
     aten._softmax.default: softmax, aten._log_softmax.default: softmax,
     aten._safe_softmax.default: safe_softmax,
+    aten.softmax.int: softmax_int, aten.log_softmax.int: softmax_int,
+    aten.layer_norm.default: layer_norm_whole, aten.batch_norm.default: batch_norm_whole,
+    aten.dropout.default: dropout,
     aten.native_layer_norm.default: layer_norm,
     aten._native_batch_norm_legit_no_training.default: batch_norm_inference,
     aten.native_batch_norm.default: native_batch_norm,
@@ -425,7 +462,8 @@ ELEMENTWISE = _ops(
     "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar",
     "gt.Tensor", "gt.Scalar", "ge.Tensor", "ge.Scalar", "logical_not", "logical_and", "logical_or",
     "bitwise_not", "bitwise_and.Tensor", "bitwise_or.Tensor", "bitwise_xor.Tensor", "bitwise_and.Scalar",
-    "bitwise_or.Scalar", "rsub.Scalar", "rsub.Tensor", "tril", "triu",
+    "bitwise_or.Scalar", "__and__.Tensor", "__or__.Tensor", "__xor__.Tensor", "all", "all.dim", "any", "any.dim",
+    "where.ScalarOther", "where.ScalarSelf", "where.Scalar", "rsub.Scalar", "rsub.Tensor", "tril", "triu",
     "cumsum", "argmax", "argmin", "sign", "floor", "ceil", "round", "trunc", "hardtanh", "leaky_relu",
     "elu", "softplus", "mish", "hardswish", "hardsigmoid", "sin", "cos", "lerp.Scalar", "addcmul",
     "addcdiv", "threshold_backward", "gelu_backward", "tanh_backward", "sigmoid_backward",
@@ -435,7 +473,6 @@ ELEMENTWISE_INPLACE = _ops(
     "add_.Tensor", "add_.Scalar", "sub_.Tensor", "sub_.Scalar", "mul_.Tensor", "mul_.Scalar", "div_.Tensor",
     "div_.Scalar", "neg_", "clamp_", "clamp_min_", "masked_fill_.Scalar", "masked_fill_.Tensor", "lerp_.Scalar",
     "lerp_.Tensor", "addcmul_", "addcdiv_", "sqrt_", "exp_", "relu_", "tanh_", "sigmoid_", "pow_.Scalar",
-    "maximum_", "copy_",
 )
 
 MEMORY = _ops(
@@ -444,7 +481,7 @@ MEMORY = _ops(
     "new_full", "new_empty", "new_empty_strided", "empty.memory_format", "empty_strided", "contiguous", "repeat", "flip", "roll", "constant_pad_nd", "scatter.src", "scatter.value",
     "index_put_", "index_put", "_index_put_impl_", "slice_scatter", "select_scatter", "masked_select",
     "nonzero", "arange.start_step", "arange.default", "arange.start", "expand_copy", "_to_copy",
-    "lift_fresh", "alias", "detach", "split_with_sizes_copy", "unbind_copy", "embedding_dense_backward",
+    "lift_fresh", "alias", "detach", "split_with_sizes_copy", "embedding_dense_backward",
     "tril_indices", "triu_indices", "scalar_tensor", "full", "zeros", "ones",
 )
 

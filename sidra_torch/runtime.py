@@ -2,8 +2,8 @@
 
 One `sidra` torch device is one SIDRA system (possibly several chips, mapped
 by sidra_core). The chip in use can be switched globally or for a `with`
-block; each distinct (spec, seed) is one physical chip that keeps its
-programmed weights, so switching back does not reprogram.
+block; each distinct spec is one physical chip that keeps its programmed
+weights, so switching back does not reprogram.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class _Memory:
 @dataclass
 class _State:
     chip: Chip | None = None
-    chips: dict = field(default_factory=dict)  # (spec, seed) -> Chip
+    chips: dict = field(default_factory=dict)  # spec -> Chip
     memory: _Memory = field(default_factory=_Memory)
     seed: int = 0
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -57,10 +57,10 @@ def quiet():
 
 
 def _get_chip(spec: ChipSpec, seed: int) -> Chip:
-    key = (spec, seed)
-    chip = _STATE.chips.get(key)
+    """The one chip of this spec (seeding reseeds it, it does not make another chip)."""
+    chip = _STATE.chips.get(spec)
     if chip is None:
-        chip = _STATE.chips[key] = Chip(spec=spec, seed=seed)
+        chip = _STATE.chips[spec] = Chip(spec=spec, seed=seed)
     return chip
 
 

@@ -409,8 +409,10 @@ def _wrap_out(r):
     return r
 
 
-# Set by weights.py: links a view of a weight to its base (callable(func, args, out)).
+# Set by weights.py: links a view of a weight to its base (callable(func, args, out)),
+# and counts in-place writes into weights, through any view or `.data` (callable(tensor)).
 _view_tag = None
+_written = None
 # Set while a profiler records: observer(func, runner, args, uargs, ukwargs) runs the
 # device op and measures it (runner.where says crossbar / engine / memory / host).
 observer = None
@@ -463,6 +465,8 @@ def _copy_(func, args, kwargs):
     s = src._inner if isinstance(src, SidraTensor) else src
     d.copy_(s, *args[2:], **kwargs)
     charge_copy(dst, src, d)
+    if _written is not None and isinstance(dst, SidraTensor):
+        _written(dst)
     return dst
 
 
@@ -511,7 +515,13 @@ def _to(func, args, kwargs):
     return out.clone() if out is inner else out
 
 
+def _compatible_shallow_copy(func, args, kwargs):
+    """Module.to's check whether `.data =` can swap in place: both sidra, or neither."""
+    return isinstance(args[0], SidraTensor) == isinstance(args[1], SidraTensor)
+
+
 _SPECIAL = {
+    aten._has_compatible_shallow_copy_type.default: _compatible_shallow_copy,
     aten.to.device: _to,
     aten.to.other: _to,
     aten.to.dtype_layout: _to,
@@ -598,6 +608,8 @@ def _torch_dispatch(cls, func, types, args=(), kwargs=None):
         res = kwargs[name] if kwonly else args[idx] if idx < len(args) else kwargs[name]
         if res.shape != out.shape or info.meta_mut:
             _sync_meta(res, out)  # t_/unsqueeze_/set_/resize by out= ...
+        if _written is not None:
+            _written(res)
         return res
     outs = []
     for m, o in zip(mut, out if isinstance(out, (tuple, list)) else (out,)):
@@ -608,6 +620,8 @@ def _torch_dispatch(cls, func, types, args=(), kwargs=None):
             res = kwargs[name] if kwonly else args[idx] if idx < len(args) else kwargs[name]
             if isinstance(o, _Tensor) and res.shape != o.shape:
                 _sync_meta(res, o)
+            if _written is not None:
+                _written(res)
             outs.append(res)
     return tuple(outs)
 

@@ -70,14 +70,31 @@ def _tag_module(module, args):
         _RUNNING.qlinear = module
     if module.__dict__.get("_sidra_tagged"):
         return
-    found = False
+    module.__dict__["_sidra_tagged"] = True
     for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
         if isinstance(t, _t.SidraTensor):
-            found = True
             t.__dict__.setdefault(_NAME, f"{type(module).__name__}.{name}")
-    if found:
-        module.__dict__["_sidra_tagged"] = True
-        _check_fits(module)
+    # The outermost module runs first: it checks the whole model before anything is programmed.
+    _check_fits(module)
+
+
+def _leave_module(module, args, output):
+    """Forward hook: a quantized Linear's forward is over (its weights are no longer the context)."""
+    if _RUNNING.qlinear is module:
+        _RUNNING.qlinear = None
+
+
+_HOOK = None
+
+
+def install() -> None:
+    """Idempotent: name parameters and check capacity as modules run; link views and count writes."""
+    global _HOOK
+    if _HOOK is None:
+        _HOOK = (torch.nn.modules.module.register_module_forward_pre_hook(_tag_module),
+                 torch.nn.modules.module.register_module_forward_hook(_leave_module, always_call=True))
+    _t._view_tag = _view_tag
+    _t._written = _count_write
 
 
 def tag_module(module: torch.nn.Module) -> None:
@@ -152,9 +169,19 @@ def _table(base) -> _Residents:
     return table
 
 
+_WRITES = "_sidra_writes"
+
+
+def _count_write(t) -> None:
+    """An in-place op wrote into `t`: if it is (a view of, or `.data` of) a weight, note it."""
+    base = weight_base(t)
+    if base is not None:
+        base.__dict__[_WRITES] = base.__dict__.get(_WRITES, 0) + 1
+
+
 def _version(base) -> tuple:
     inner = base._inner
-    return (base._version, inner._version, id(inner))
+    return (base._version, base.__dict__.get(_WRITES, 0), id(inner))
 
 
 def matrix(view, transpose: bool) -> np.ndarray:
@@ -186,20 +213,28 @@ def resident(chip, view, transpose: bool = False, matrix_fn=matrix):
     return res
 
 
-_REPROGRAMMED: dict = {}  # chip id -> ids of the residents reprogrammed so far
+_REPROGRAMMED: dict = {}  # chip id -> residents reprogrammed, in order (the last few)
+_WARNED: set = set()
 
 
 def _note_reprogram(chip, res) -> None:
-    """Y1 trains the last layer on chip; warn once when training rewrites several layers."""
-    seen = _REPROGRAMMED.setdefault(id(chip), set())
-    if len(seen) == 1 and id(res) not in seen:
+    """Y1 trains the last layer on chip; warn once when a training step rewrites several layers.
+
+    A step's reprogramming is what happened since this weight was last
+    reprogrammed: several distinct weights there means full-model training.
+    """
+    order = _REPROGRAMMED.setdefault(id(chip), [])
+    cycle = order[len(order) - 1 - order[::-1].index(id(res)) + 1:] if id(res) in order else []
+    order.append(id(res))
+    del order[:-64]
+    if len(set(cycle) - {id(res)}) >= 1 and id(chip) not in _WARNED:
+        _WARNED.add(id(chip))
         warnings.warn(
             "more than one layer is being reprogrammed on the chip: full-model training rewrites every "
             "layer's cells each step (ISPP pulses, time and energy are charged) and RRAM cells endure "
             f"~{chip.spec.ispp.endurance:.0e} writes; Y1 is built for last-layer fine-tuning",
             EnduranceWarning, stacklevel=4,
         )
-    seen.add(id(res))
 
 
 def residents_of(base) -> list:

@@ -32,7 +32,7 @@ SAME_DEVICE_MSG = "Expected all tensors to be on the same device"
 # chip state: every test leaves the chip it found
 
 
-@pytest.fixture(autouse=False)
+@pytest.fixture
 def restore_chip():
     """Put back the chip (and the device seed) that was current before the test."""
     prev_chip, prev_seed = _runtime.current_chip(), _runtime.initial_seed()
@@ -60,7 +60,13 @@ def int8(restore_chip):
 
 @pytest.fixture
 def y1(restore_chip):
-    """Run the test on the default `y1` chip (all noise), seeded, counters zeroed."""
+    """Run the test on the default `y1` chip (all noise), seeded, counters zeroed.
+
+    Garbage from earlier tests is collected first, on this thread: a programmed weight freed by the
+    cyclic GC inside a sidra_core ISPP worker thread while this thread holds the chip lock deadlocks
+    (test_torch_dispatch.py::test_freeing_a_weight_from_another_thread_does_not_block).
+    """
+    collect()
     with sidra_torch.use_chip("y1") as chip:
         sidra_torch.manual_seed(0)
         torch.sidra.reset_counters()
@@ -97,7 +103,7 @@ def assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=""):
     """Compare a (sidra or cpu) tensor with a CPU reference."""
     a = actual.detach().cpu() if isinstance(actual, torch.Tensor) else actual
     e = expected.detach().cpu() if isinstance(expected, torch.Tensor) else expected
-    torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=msg or None)
+    torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=(lambda m: f"{msg}: {m}") if msg else None)
 
 
 def max_abs_diff(actual, expected) -> float:

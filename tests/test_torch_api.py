@@ -5,7 +5,6 @@ plus the chip's own controls (chip selection, counters, capacity errors)."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -130,12 +129,15 @@ def test_same_seed_programs_the_same_chip_state(restore_chip):
     base = nn.Linear(48, 24)
     x = torch.randn(4, 48)
     outs = []
+    collect()  # weights left by earlier tests are freed first, so both copies get the same free tiles
     with sidra_torch.use_chip("y1"):
         for _ in range(2):
             sidra_torch.manual_seed(5)
             m = copy.deepcopy(base).to(D)
-            outs.append(m(x.to(D)).cpu())
+            with torch.no_grad():  # (an autograd graph would keep the weight alive)
+                outs.append(m(x.to(D)).cpu())
             del m
+            collect()  # free its tiles: the second copy lands on the same cells (same stuck cells)
     assert torch.equal(outs[0], outs[1])
 
 
@@ -411,10 +413,9 @@ def test_chips_compute_differently(restore_chip):
             sidra_torch.manual_seed(0)
             out[name] = dev(x.to(D)).detach().cpu()
     assert (out["ideal"] - ref).abs().max() < 1e-5
-    err8 = (out["int8"] - ref).abs().max().item()
-    erry = (out["y1"] - ref).abs().max().item()
-    assert 1e-5 < err8 < 0.1 * ref.abs().max().item()
-    assert erry > err8 and erry < 0.3 * ref.abs().max().item()
+    rel = {k: ((v - ref).norm() / ref.norm()).item() for k, v in out.items()}
+    assert 1e-4 < rel["int8"] < 0.1, rel  # INT8 weights/inputs and the ADC
+    assert rel["int8"] < rel["y1"] < 0.2, rel  # ... plus the analog noise
     with sidra_torch.use_chip("int8"):
         assert torch.equal(dev(x.to(D)).detach().cpu(), out["int8"])  # int8 is deterministic
 
@@ -428,6 +429,7 @@ def _small_chip():
 
 
 def test_model_larger_than_the_chip_raises(restore_chip):
+    collect()
     with _small_chip() as chip:
         big = nn.Linear(1024, 1024).to(D)
         x = torch.randn(1, 1024, device=D)
@@ -447,6 +449,7 @@ def test_model_larger_than_the_chip_raises(restore_chip):
 
 
 def test_capacity_is_checked_for_the_whole_model_first(restore_chip):
+    collect()
     with _small_chip() as chip:
         model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512)).to(D)  # 4 + 4 tiles
         tiles0 = chip.tiles_in_use
@@ -461,6 +464,7 @@ def test_capacity_is_checked_for_the_whole_model_first(restore_chip):
 
 
 def test_capacity_error_for_a_bare_weight(restore_chip):
+    collect()
     with _small_chip() as chip:
         w = nn.Parameter(torch.randn(1024, 512).to(D))
         tiles0 = chip.tiles_in_use
@@ -477,3 +481,17 @@ def test_multi_chip_mapping_fits_a_larger_model(restore_chip):
         x = torch.randn(2, 1024)
         assert_close(dev(x.to(D)), cpu(x), rtol=1e-4, atol=1e-4)
         assert chip.tiles_in_use >= 16
+
+
+def test_manual_seed_keeps_the_same_physical_chip(restore_chip):
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 8).to(D)
+    x = torch.randn(2, 32, device=D)
+    with sidra_torch.use_chip("int8") as first:
+        lin(x)
+    sidra_torch.manual_seed(1234)
+    with sidra_torch.use_chip("int8") as again:
+        with Delta() as d:
+            lin(x)
+    assert again is first
+    assert d["cells_programmed"] == 0

@@ -17,7 +17,8 @@ import sidra_torch
 from sidra_torch import SidraTensor
 
 from conftest_torch import SAME_DEVICE_MSG as SAME_DEVICE
-from conftest_torch import D, DEV, assert_close, collect, ideal, no_warnings, restore_chip, roundtrip  # noqa: F401
+from conftest_torch import (D, DEV, assert_close, ideal, no_warnings,  # noqa: F401
+                            restore_chip, roundtrip)
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +49,35 @@ def test_register_is_idempotent():
     # still a working device after the repeated registration
     t = torch.ones(3, device=D) * 2
     assert t.device == DEV and t.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.fixture
+def reloaded_sidra_torch():
+    """importlib.reload(sidra_torch) + register() again; global hooks it adds are removed afterwards."""
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = set(hooks)
+    try:
+        mod = importlib.reload(sidra_torch)
+        mod.register()
+        yield mod, len(hooks) - len(before)
+    finally:
+        for k in set(hooks) - before:
+            del hooks[k]
+
+
+def test_reload_keeps_the_device_working(reloaded_sidra_torch):
+    mod, _ = reloaded_sidra_torch
+    assert mod.SidraTensor is SidraTensor
+    assert torch.sidra.device_count() == 1
+    lin = torch.nn.Linear(3, 2)
+    dev = copy.deepcopy(lin).to(D)
+    x = torch.randn(1, 3)
+    assert_close(dev(x.to(D)), lin(x))
+
+
+def test_reload_does_not_duplicate_global_hooks(reloaded_sidra_torch):
+    _, added = reloaded_sidra_torch
+    assert added == 0
 
 
 def test_torch_device_objects():
@@ -727,3 +757,13 @@ def test_cpu_index_and_copy_are_allowed():
     s = c.to(D)
     assert torch.equal(s[torch.tensor([0, 2])].cpu(), c[[0, 2]])
     assert torch.equal(torch.empty(3, device=D).copy_(c).cpu(), c)
+
+
+@pytest.mark.parametrize("direction", ["to_sidra", "to_cpu"])
+def test_module_to_under_inference_mode(direction):
+    m = torch.nn.Linear(3, 2)
+    if direction == "to_cpu":
+        m.to(D)
+    with torch.inference_mode():
+        m.to("cpu" if direction == "to_cpu" else D)
+    assert m.weight.device.type == ("cpu" if direction == "to_cpu" else "sidra")
