@@ -58,7 +58,7 @@ class ProgrammedWeight:
     writes_plus: np.ndarray  # int32 (Kp, Np)
     writes_minus: np.ndarray
     adc_full_scale: np.ndarray  # float32 (grid_k, Np): per tile-column range in code units
-    ref_sum: np.ndarray  # float32 (grid_k, grid_n): reference read right after programming
+    ref_norm: np.ndarray  # float32 (grid_k, grid_n): reference read of each tile right after programming
     tile_ids: tuple[int, ...]  # physical tile of each grid tile, row-major over (grid_k, grid_n)
     programming: "ProgrammingReport"
 
@@ -163,8 +163,11 @@ def _adc_full_scale(codes: np.ndarray, target_w, grid: TileGrid, spec: ChipSpec)
     return np.where(fs > 0, fs, 1.0).astype(np.float32)
 
 
-def _tile_sums(gp: np.ndarray, gm: np.ndarray, grid: TileGrid) -> np.ndarray:
-    return (gp + gm).reshape(grid.grid_k, grid.rows, grid.grid_n, grid.cols).sum(axis=(1, 3), dtype=np.float64).astype(np.float32)
+def _tile_norms(gp: np.ndarray, gm: np.ndarray, grid: TileGrid) -> np.ndarray:
+    """A reference read of every tile: the response norm to random inputs, i.e. the Frobenius
+    norm of the differential conductances (cells holding zero and padding add nothing)."""
+    d = (gp.astype(np.float64) - gm).reshape(grid.grid_k, grid.rows, grid.grid_n, grid.cols)
+    return np.sqrt(np.square(d).sum(axis=(1, 3))).astype(np.float32)
 
 
 def _pad(a: np.ndarray, grid: TileGrid, fill=0) -> np.ndarray:
@@ -227,7 +230,7 @@ def program(
         t_prog_plus=np.full(codes.shape, t_now, np.float32), t_prog_minus=np.full(codes.shape, t_now, np.float32),
         writes_plus=np.zeros(codes.shape, np.int32), writes_minus=np.zeros(codes.shape, np.int32),
         adc_full_scale=np.ones((grid.grid_k, grid.n_padded), np.float32),
-        ref_sum=np.ones((grid.grid_k, grid.grid_n), np.float32),
+        ref_norm=np.ones((grid.grid_k, grid.grid_n), np.float32),
         tile_ids=tile_ids,
         programming=ProgrammingReport(0, 0, 0, 0, 0),
     )
@@ -350,7 +353,7 @@ def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=Non
     return dataclasses.replace(
         state, codes=codes, target_w=target_w, **new,
         adc_full_scale=_adc_full_scale(codes, target_w, grid, spec),
-        ref_sum=_tile_sums(new["g_plus"], new["g_minus"], grid),
+        ref_norm=_tile_norms(new["g_plus"], new["g_minus"], grid),
         programming=report,
     )
 
@@ -431,9 +434,9 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         lsb = (state.adc_full_scale[:, :n] / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
     gain = None
     if spec.noise.drift_compensation:
-        # Reference read: the summed conductance of each tile, against the same read just after programming.
-        now = _tile_sums(gp, gm, grid)
-        per_tile = np.where(now > 0, state.ref_sum / now, 1.0).astype(np.float32)
+        # Reference read of each tile now, against the same read just after programming.
+        now = _tile_norms(gp, gm, grid)
+        per_tile = np.where(now > 0, state.ref_norm / now, 1.0).astype(np.float32)
         gain = np.repeat(per_tile, grid.cols, axis=1)[:, :n]
     return Snapshot(
         w=jnp.asarray(w, jnp.float32), var=None if var is None else jnp.asarray(var, jnp.bfloat16),
