@@ -10,6 +10,7 @@ float weight itself with dG = 1 and G_min = 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from functools import partial
 
@@ -65,6 +66,11 @@ class ProgrammedWeight:
     @property
     def first_tile(self) -> int:
         return self.tile_ids[0]
+
+    @functools.cached_property
+    def t_latest(self) -> float:
+        """The device time of the most recent write (the youngest cells drift fastest)."""
+        return float(max(self.t_prog_plus.max(), self.t_prog_minus.max()))
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -190,7 +190,7 @@ class Chip:
         n = self.spec.noise
         if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
             return False
-        youngest = float(max(res.state.t_prog_plus.max(), res.state.t_prog_minus.max()))
+        youngest = res.state.t_latest
         nu_max = n.drift_nu_mean + 6 * n.drift_nu_std
         old_age = max(res.snap_time - youngest, 0.0) + n.drift_t0
         new_age = max(now - youngest, 0.0) + n.drift_t0

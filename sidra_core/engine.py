@@ -18,11 +18,17 @@ import jax.numpy as jnp
 
 from .quant import quantise_rows
 
-_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16, "int8": jnp.float16}
+# The format the engine stores results in, per precision mode (int8 mode keeps fp16 outside its LUTs).
+STORAGE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float16"}
+_DTYPES = {k: jnp.dtype(v) for k, v in STORAGE.items()}
+
+
+def round_to(x, precision: str):
+    """Round to the engine's storage format (identity at fp32); compute continues in float32."""
+    return _round(x, precision)
 
 
 def _round(x, precision: str):
-    """Round to the engine's storage format, compute continues in float32."""
     dt = _DTYPES[precision]
     return x.astype(jnp.float32) if dt == jnp.float32 else x.astype(dt).astype(jnp.float32)
 

@@ -147,7 +147,7 @@ def render_table(rows, total: Cost, host_s: float) -> str:
                   f"{100 * s.device_time_total / tot_t:.1f}%", _fmt_energy(s.energy_total),
                   f"{100 * s.energy_total / tot_e:.1f}%", _fmt_bytes(s.host_bytes), _fmt_time(s.host_s))
     buf = io.StringIO()
-    console = Console(file=buf, width=150, force_terminal=False, color_system=None)
+    console = Console(file=buf, width=150, force_terminal=False, force_jupyter=False, color_system=None)
     console.print(t)
     console.print(f"Device time total: {_fmt_time(total.latency_s)}   Energy total: {_fmt_energy(total.energy_j)}   "
                   f"Host simulation time: {_fmt_time(host_s)}")

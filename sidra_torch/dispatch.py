@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from sidra_core import conv_weight_matrix, cost
+from sidra_core.engine import STORAGE
 
 from . import runtime
 from .weights import resident, weight_base
@@ -36,7 +37,6 @@ from .weights import resident, weight_base
 aten = torch.ops.aten
 
 _CHIP_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_ROUND_TO = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float16}
 _warned_dtypes: set = set()
 
 
@@ -238,8 +238,8 @@ def conv_nd(func, args, uargs, ukwargs):
 
 def _round_engine(t: torch.Tensor) -> torch.Tensor:
     """Round a float result to the engine's storage format (identity at fp32)."""
-    dt = _ROUND_TO.get(runtime.current_chip().spec.engine.precision)
-    if dt is None or not t.is_floating_point() or t.dtype == dt:
+    dt = getattr(torch, STORAGE[runtime.current_chip().spec.engine.precision])
+    if dt == torch.float32 or not t.is_floating_point() or t.dtype == dt:
         return t
     return t.to(dt).to(t.dtype)
 

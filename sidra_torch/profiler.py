@@ -59,7 +59,17 @@ class profile:
                 _exit_range(rec)
         host_s = time.perf_counter() - t0
         cost, counts = _delta(before, clock.raw())
-        where = "host" if counts["fallback_ops"] or counts["host_bytes"] else getattr(runner, "where", "engine")
+        # Where it ran, from what the op charged (a matmul may go to the crossbar or the engine).
+        if counts["fallback_ops"] or counts["host_bytes"]:
+            where = "host"
+        elif counts["mvms"]:
+            where = "crossbar"
+        elif counts["engine_ops"]:
+            where = "engine"
+        elif counts["memory_ops"]:
+            where = "memory"
+        else:
+            where = getattr(runner, "where", "engine")
         self.records.append(OpRecord(_op_name(func), where, cost, counts["host_bytes"], host_s, start))
         return out
 

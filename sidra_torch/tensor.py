@@ -507,11 +507,15 @@ def _to(func, args, kwargs):
             kwargs = dict(kwargs)
             kwargs["device"] = CPU if device.type == DEVICE_TYPE else device
     out = func(inner, *args[1:], **kwargs)
+    nbytes = out.numel() * out.element_size()
     if device is None or device.type == DEVICE_TYPE:
         if out is inner:
             return x  # no-op .to() returns self, like every backend
+        track_new(out)
+        _runtime.current_chip().charge_memory(nbytes, "sram")
         return _wrap(out)
-    # leaving the device: never hand out the device memory itself
+    # leaving the device over the host link: never hand out the device memory itself
+    _runtime.current_chip().charge_host(nbytes)
     return out.clone() if out is inner else out
 
 

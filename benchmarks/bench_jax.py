@@ -1,0 +1,187 @@
+"""sidra_jax benchmark: a jitted forward on the y1 chip against plain `jax.jit` of the same function.
+
+Run: python benchmarks/bench_jax.py [--repeat N] [--quick]
+
+Two workloads in one run: an MLP (784-1024-1024-10, batch 256) and a
+BERT-style encoder block (d=256, 4 heads, FFN 1024, batch 4 x 128 tokens).
+For each, the host time of one forward (median of N after warm-up, outputs
+blocked on) of `sidra_jax.jit(fn)` on the `y1` chip (INT8 DAC/ADC, read noise,
+drift, a fresh noise seed per call, costs charged) against `jax.jit(fn)` in
+float32. Target: ratio <= 1.5x. The same on the `int8` chip (no analog noise)
+for reference, and "MVM kernels": sidra_core.crossbar.mvm alone for the same
+MVMs, the floor sidra_jax cannot go below without changing sidra_core's kernel
+(on y1 its read-noise draw and variance matmul cost 2-4x a float matmul).
+Also prints the simulated device latency and energy of one forward. The
+machine is noisy: ratios are from the same run, timings interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sidra_core
+import sidra_jax as sj
+import sidra_jax.nn as snn
+from sidra_jax.execute import COMPILER_OPTIONS
+
+
+def mlp(p, x):
+    h = jax.nn.relu(x @ p["w1"] + p["b1"])
+    h = jax.nn.relu(h @ p["w2"] + p["b2"])
+    return h @ p["w3"] + p["b3"]
+
+
+def mlp_params(rng, sizes=(784, 1024, 1024, 10)):
+    p = {}
+    for i, (k, n) in enumerate(zip(sizes[:-1], sizes[1:]), 1):
+        p[f"w{i}"] = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+        p[f"b{i}"] = (0.01 * rng.standard_normal(n)).astype(np.float32)
+    return p
+
+
+def encoder(p, x, heads=4):
+    b, s, d = x.shape
+    dh = d // heads
+
+    def lin(t, name):
+        return t @ p[name]["w"] + p[name]["b"]
+
+    def split(t):
+        return t.reshape(b, s, heads, dh).transpose(0, 2, 1, 3)
+
+    q, k, v = split(lin(x, "q")), split(lin(x, "k")), split(lin(x, "v"))
+    scores = jnp.einsum("bhsd,bhtd->bhst", q, k) * (1.0 / np.sqrt(dh))
+    a = jnp.einsum("bhst,bhtd->bhsd", snn.softmax(scores, axis=-1), v).transpose(0, 2, 1, 3).reshape(b, s, d)
+    x = snn.layer_norm(x + lin(a, "o"), p["ln1"]["g"], p["ln1"]["b"])
+    h = snn.gelu(lin(x, "f1"))
+    return snn.layer_norm(x + lin(h, "f2"), p["ln2"]["g"], p["ln2"]["b"])
+
+
+def encoder_params(rng, d=256, f=1024):
+    def lin(k, n):
+        return {"w": (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32),
+                "b": (0.01 * rng.standard_normal(n)).astype(np.float32)}
+
+    def ln():
+        return {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)}
+
+    return {"q": lin(d, d), "k": lin(d, d), "v": lin(d, d), "o": lin(d, d), "f1": lin(d, f), "f2": lin(f, d),
+            "ln1": ln(), "ln2": ln()}
+
+
+def _median(fn, repeat: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _kernels_only(f, prog, x, chip):
+    """A jitted function running only the plan's crossbar MVMs (sidra_core.crossbar.mvm, same shapes,
+    snapshots and settings): the floor sidra_jax cannot go below without changing sidra_core's kernel."""
+    plan = f.plan(prog, x)
+    slots = [w.slot for w in jax.tree.leaves(prog, is_leaf=sj.is_weight)]
+    snaps = tuple(chip.snapshot(slots[w.leaf].fresh(w.key)) for w in plan.wrefs)
+    shapes = [(ins.wref, ins.meta["wref"].k) for ins in plan.instrs if ins.kind == "mvm"]
+    kw = sidra_core.crossbar.mvm_kwargs(chip.spec)
+    xs = []
+    for ins in plan.instrs:
+        if ins.kind == "mvm":
+            k = ins.meta["wref"].k
+            n_rows = ins.counts["tile_reads"] // sidra_core.tile_grid(k, ins.meta["wref"].n, chip.spec).tiles
+            xs.append(jnp.asarray(np.random.default_rng(0).standard_normal((n_rows, k)).astype(np.float32)))
+
+    @partial(jax.jit, compiler_options=COMPILER_OPTIONS)  # compiled as sidra_jax compiles its programs
+    def run(snaps, xs, seeds):
+        return [sidra_core.crossbar.mvm(snaps[w], x, seeds[i], **kw) for i, ((w, _), x) in enumerate(zip(shapes, xs))]
+
+    seeds = jnp.arange(len(xs), dtype=jnp.uint32)
+    return lambda: jax.block_until_ready(run(snaps, xs, seeds))
+
+
+def bench(name, fn, params, x, repeat: int, rounds: int = 3) -> dict:
+    pj = jax.tree.map(jnp.asarray, params)
+    xj = jnp.asarray(x)
+    plain = jax.jit(fn)
+    timed = {"plain": lambda: jax.block_until_ready(plain(pj, xj))}
+    row = {"workload": name}
+    keep = []
+    for chip_name in ("int8", "y1"):
+        chip = sidra_core.Chip.create(chip_name, seed=0)
+        prog = sj.program(params, chip)
+        f = sj.jit(fn, transfers=False)
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(prog, xj))  # programs the crossbars (ISPP) and compiles
+        first = time.perf_counter() - t0
+        c0 = chip.clock.counters
+        jax.block_until_ready(f(prog, xj))
+        c1 = chip.clock.counters
+        timed[chip_name] = (lambda f, prog: lambda: jax.block_until_ready(f(prog, xj)))(f, prog)
+        timed[chip_name + " kernels"] = _kernels_only(f, prog, xj, chip)
+        keep.append(prog)
+        row[chip_name] = {"first_call_s": first, "device_us": (c1.cost.latency_s - c0.cost.latency_s) * 1e6,
+                          "device_uJ": (c1.energy_j - c0.energy_j) * 1e6}
+    # Interleaved rounds (the machine may be shared): each variant keeps its best median.
+    best = dict.fromkeys(timed, float("inf"))
+    for _ in range(rounds):
+        for k, t in timed.items():
+            best[k] = min(best[k], _median(t, repeat))
+    for chip_name in ("int8", "y1"):
+        row[chip_name].update(plain_ms=best["plain"] * 1e3, sidra_ms=best[chip_name] * 1e3,
+                              kernels_ms=best[chip_name + " kernels"] * 1e3,
+                              ratio=best[chip_name] / best["plain"])
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke test)")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    if args.quick:
+        mp, mx = mlp_params(rng, (64, 128, 10)), rng.standard_normal((16, 64)).astype(np.float32)
+        ep, ex = encoder_params(rng, 32, 64), rng.standard_normal((2, 8, 32)).astype(np.float32)
+
+        def mlp_fn(p, x):
+            return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    else:
+        mp, mx = mlp_params(rng), rng.standard_normal((256, 784)).astype(np.float32)
+        ep, ex = encoder_params(rng), rng.standard_normal((4, 128, 256)).astype(np.float32)
+        mlp_fn = mlp
+    rows = [bench("MLP 784-1024-1024-10, batch 256" if not args.quick else "MLP (quick)", mlp_fn, mp, mx,
+                  args.repeat),
+            bench("encoder block d=256 h=4 ffn=1024, 4x128 tokens" if not args.quick else "encoder (quick)",
+                  encoder, ep, ex, args.repeat)]
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}; host time per forward (median of {args.repeat}, "
+          f"best of 3 interleaved rounds); target: sidra_jax on y1 <= 1.5x jax.jit")
+    print(f"{'workload':48s} {'chip':5s} {'jax.jit':>9s} {'sidra_jax':>10s} {'ratio':>7s} {'MVM kernels':>12s} "
+          f"{'1st call':>9s} {'device':>10s} {'energy':>10s}")
+    for r in rows:
+        for chip_name in ("int8", "y1"):
+            c = r[chip_name]
+            print(f"{r['workload']:48s} {chip_name:5s} {c['plain_ms']:7.3f}ms {c['sidra_ms']:8.3f}ms "
+                  f"{c['ratio']:6.2f}x {c['kernels_ms']:10.3f}ms {c['first_call_s']:8.2f}s {c['device_us']:8.2f}us "
+                  f"{c['device_uJ']:8.3f}uJ")
+    worst = max(r["y1"]["ratio"] for r in rows)
+    print(f"y1 worst ratio {worst:.2f}x: {'meets' if worst <= 1.5 else 'misses'} the 1.5x target. 'MVM kernels' is "
+          f"sidra_core.crossbar.mvm alone for the same MVMs (the floor without changing sidra_core); sidra_jax adds "
+          + ", ".join(f"{r['y1']['sidra_ms'] - r['y1']['kernels_ms']:.2f} ms" for r in rows)
+          + " (engine ops, attention, Python dispatch) on y1.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Compute-engine operations as JAX functions that sidra_jax recognises whole.
+
+On plain JAX (outside `sidra_jax.jit`) each function computes the exact float
+result (`sidra_core.engine` at fp32). Inside `sidra_jax.jit` the interpreter
+sees each call as one marked `jit` equation and runs it as ONE compute-engine
+op at the chip's precision, priced as that op (`sidra_core.cost.engine`), as
+sidra_torch prices `aten.gelu`, `aten._softmax`, `aten.native_layer_norm`.
+
+Why this module exists: `jax.nn.gelu` and `jax.nn.softmax` are inlined into
+their primitives when traced (`erfc`, `mul`, `reduce_max`, `exp`, ...). The
+interpreter still runs those on the engine, but as several element-wise ops
+(each rounded to the engine precision and priced as its own op). For the same
+numerics and cost as PyTorch's fused ops, use these. `jax.nn.relu`,
+`jax.nn.silu`, `jnp.tanh` and `jax.nn.sigmoid` are recognised as they are.
+
+    import sidra_jax.nn as snn
+    h = snn.gelu(x @ w1 + b1)
+    y = snn.layer_norm(x + h @ w2 + b2, gamma, beta, eps=1e-5)
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+
+from sidra_core import engine
+
+# jit name -> (engine op, static kwargs); filled as marked functions are created.
+REGISTRY: dict[str, tuple[str, dict]] = {}
+_CACHE: dict = {}
+
+# Ops whose engine kernel takes one tensor (sidra_core.engine.ELEMENTWISE).
+UNARY = ("relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "silu")
+
+
+def engine_call(op: str, args, kw: dict, precision: str):
+    """Run engine op `op` on `args` (as the marked function passes them) at `precision`."""
+    if op in UNARY:
+        return engine.ELEMENTWISE[op](args[0], precision=precision)
+    if op in ("softmax", "log_softmax"):
+        return getattr(engine, op)(args[0], axis=kw["axis"], precision=precision)
+    if op == "layer_norm":
+        x, rest = args[0], list(args[1:])
+        w = rest.pop(0) if kw["has_weight"] else None
+        b = rest.pop(0) if kw["has_bias"] else None
+        return engine.layer_norm(x, w, b, eps=kw["eps"], ndim=kw["ndim"], precision=precision)
+    if op == "rms_norm":
+        w = args[1] if kw["has_weight"] else None
+        return engine.rms_norm(args[0], w, eps=kw["eps"], ndim=kw["ndim"], precision=precision)
+    if op == "batch_norm":
+        x, mean, var, rest = args[0], args[1], args[2], list(args[3:])
+        w = rest.pop(0) if kw["has_weight"] else None
+        b = rest.pop(0) if kw["has_bias"] else None
+        return engine.batch_norm(x, mean, var, w, b, eps=kw["eps"], precision=precision)
+    raise ValueError(f"unknown engine op {op!r}")
+
+
+def _marked(op: str, **kw):
+    """The jitted function for (op, kwargs), named so the interpreter can find it in a jaxpr."""
+    key = (op, tuple(sorted(kw.items())))
+    fn = _CACHE.get(key)
+    if fn is not None:
+        return fn
+    tag = hashlib.sha1(repr(key).encode()).hexdigest()[:8]
+    name = f"sidra_{op}_{tag}"
+
+    def impl(*args):
+        return engine_call(op, args, kw, "fp32")
+
+    impl.__name__ = impl.__qualname__ = name
+    fn = _CACHE[key] = jax.jit(impl)
+    REGISTRY[name] = (op, dict(kw))
+    return fn
+
+
+def relu(x):
+    """max(x, 0) (the same as jax.nn.relu, which is also recognised)."""
+    return _marked("relu")(x)
+
+
+def gelu(x, approximate: bool = False):
+    """GELU; erf form by default (PyTorch's default), tanh form with approximate=True.
+
+    Note: jax.nn.gelu defaults to approximate=True; this follows PyTorch.
+    """
+    return _marked("gelu_tanh" if approximate else "gelu")(x)
+
+
+def tanh(x):
+    return _marked("tanh")(x)
+
+
+def sigmoid(x):
+    return _marked("sigmoid")(x)
+
+
+def silu(x):
+    return _marked("silu")(x)
+
+
+def softmax(x, axis: int = -1):
+    return _marked("softmax", axis=int(axis))(x)
+
+
+def log_softmax(x, axis: int = -1):
+    return _marked("log_softmax", axis=int(axis))(x)
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, ndim: int = 1):
+    """Layer norm over the last `ndim` axes, with optional scale and shift."""
+    args = [x] + [a for a in (weight, bias) if a is not None]
+    return _marked("layer_norm", eps=float(eps), ndim=int(ndim), has_weight=weight is not None,
+                   has_bias=bias is not None)(*args)
+
+
+def rms_norm(x, weight=None, eps: float = 1e-6, ndim: int = 1):
+    args = [x] + ([weight] if weight is not None else [])
+    return _marked("rms_norm", eps=float(eps), ndim=int(ndim), has_weight=weight is not None)(*args)
+
+
+def batch_norm(x, mean, var, weight=None, bias=None, eps: float = 1e-5):
+    """Inference batch norm with running statistics, channels on axis 1 (NCHW)."""
+    args = [x, mean, var] + [a for a in (weight, bias) if a is not None]
+    return _marked("batch_norm", eps=float(eps), has_weight=weight is not None, has_bias=bias is not None)(*args)
+
+
+__all__ = ["relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm",
+           "batch_norm"]

@@ -1,0 +1,79 @@
+"""The sidra_jax profiler: the same table as sidra_torch's (sidra_core.report).
+
+    with sidra_jax.profile() as prof:
+        y = f(params, x)
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=10))
+
+One row per device op name (`sidra::dot_general`, `sidra::softmax`, ...) with
+calls, simulated device time, energy, where it ran, host-link bytes. A
+sidra_jax call is one fused XLA program, so host simulation time is measured
+per call, not per op: it appears on the `sidra_jax::<function>` row (a range,
+like a torch `record_function`, not counted twice in the totals) and in the
+table's "Host simulation time" total.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from sidra_core.cost import Cost
+from sidra_core.report import OpRecord, key_averages
+
+_ACTIVE: list = []
+_LOCK = threading.Lock()
+
+
+def active() -> list:
+    return _ACTIVE
+
+
+class profile:
+    """Records every device op of every sidra_jax call between __enter__ and __exit__."""
+
+    def __init__(self):
+        self.records: list[OpRecord] = []
+        self.ranges: list[OpRecord] = []
+        self.host_s = 0.0
+
+    def __enter__(self):
+        with _LOCK:
+            _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        with _LOCK:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+        return False
+
+    def _add_call(self, name: str, records: list, total: Cost, host_s: float, start_s: float) -> None:
+        self.records.extend(records)
+        self.ranges.append(OpRecord(name, "user range", total, sum(r.host_bytes for r in records), host_s, start_s))
+        self.host_s += host_s
+
+    def key_averages(self):
+        """Rows per op name and per function call, with `.table(sort_by=..., row_limit=...)`."""
+        ka = key_averages(self.records + self.ranges)
+        ka.host_s = self.host_s
+        return ka
+
+    @property
+    def total(self) -> Cost:
+        return self.key_averages().total
+
+    def export_chrome_trace(self, path: str) -> None:
+        """A device timeline (simulated clock) in the Chrome trace format."""
+        lanes = {"crossbar": 1, "engine": 2, "memory": 3, "host": 4, "user range": 0}
+        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "SIDRA device (simulated clock)"}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
+                   for lane, tid in lanes.items()]
+        for r in self.ranges + self.records:
+            events.append({
+                "name": r.name, "ph": "X", "pid": 0, "tid": lanes.get(r.where, 5), "cat": r.where,
+                "ts": r.start_s * 1e6, "dur": r.cost.latency_s * 1e6,
+                "args": {"energy_J": r.cost.energy_j, "host_bytes": r.host_bytes, "host_sim_s": r.host_s,
+                         **{f"energy_{k}_J": v for k, v in r.cost.energy_by_component().items() if v}},
+            })
+        with open(path, "w") as fh:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)
