@@ -160,7 +160,7 @@ def _changed_weight(w, rng):
     w2 = w.copy()
     rows = rng.choice(w.shape[0], 20, replace=False)
     cols = rng.choice(w.shape[1], 20, replace=False)
-    w2[np.ix_(rows, cols)] += np.float32(0.5)
+    w2[np.ix_(rows, cols)] *= np.float32(0.5)  # inside each column's range: the scales stay
     return w2
 
 
@@ -302,3 +302,21 @@ def test_endurance_warning_on_repeated_writes():
         res = chip.program(w)
     with pytest.warns(sc.EnduranceWarning):
         chip.reprogram(res, -w)
+
+
+@pytest.mark.parametrize("preset", ["y1", "int8"])
+def test_reprogram_grows_a_saturating_column_scale(preset):
+    """An update past a column's programmed range grows that column's scale (no clipping at 127)."""
+    spec = sc.preset(preset, noise__drift_nu_mean=0.0, noise__drift_nu_std=0.0)
+    w = np.random.default_rng(5).standard_normal((128, 64)).astype(np.float32)
+    st = sc.program(w, spec, seed=1)
+    w2 = w.copy()
+    w2[0, 3] = 4 * np.abs(w[:, 3]).max()
+    st2 = sc.reprogram(st, w2, spec, seed=2, t_now=1.0)
+    grown = st2.scale > st.scale
+    assert grown[3] and grown.sum() == 1
+    np.testing.assert_allclose(st2.scale[3], np.abs(w2[:, 3]).max() / 127, rtol=1e-6)
+    assert st2.codes[0, 3] == 127
+    # only that column's cells (and none elsewhere) were rewritten
+    touched = (st2.writes_plus != st.writes_plus) | (st2.writes_minus != st.writes_minus)
+    assert touched[:, 3].any() and not touched[:, np.arange(touched.shape[1]) != 3].any()

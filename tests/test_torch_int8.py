@@ -164,9 +164,7 @@ def test_quantize_dynamic_model_runs_on_the_crossbar(restore_chip):
         assert (y.cpu() - ref).norm() / ref.norm() < 0.2
 
 
-_STALE = ("sidra_torch/weights.py: _tag_module sets _RUNNING.qlinear to the quantised Linear whose forward "
-          "starts and never clears it, so the last one stays referenced (its tiles are never freed) and a "
-          "later quantized::linear_dynamic call outside that module is served from its tiles")
+# Regression tests: the quantised Linear context (_RUNNING.qlinear) once outlived its forward.
 
 
 def test_quantised_tiles_are_freed_with_the_module(restore_chip):
