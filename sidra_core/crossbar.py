@@ -274,9 +274,12 @@ def reprogram(
         target_w, codes, scale = _pad(w, grid), state.codes, state.scale
     else:
         if quantised is None:
-            # Keep each column's scale (so a small update rewrites few cells), but let it grow
-            # where the new weight would saturate: a column whose scale grows is rewritten whole.
-            scale = np.maximum(state.scale, quantise_weight(w, spec).scale).astype(np.float32)
+            # Keep each column's scale (so a small update rewrites few cells); a weight that
+            # outgrows the programmed range by up to 5 % saturates at code 127, past that the
+            # column's scale grows, with 10 % headroom, and the column is rewritten whole.
+            needed = quantise_weight(w, spec).scale
+            saturating = needed > state.scale * 1.05
+            scale = np.where(saturating, needed * 1.1, state.scale).astype(np.float32)
             codes_new = np.clip(np.rint(w / scale[None, :]), -QMAX, QMAX).astype(np.int8)
             quantised = from_int8(codes_new, scale)
         target_w, codes, scale = None, _pad(quantised.codes, grid), quantised.scale

@@ -315,8 +315,8 @@ def test_reprogram_grows_a_saturating_column_scale(preset):
     st2 = sc.reprogram(st, w2, spec, seed=2, t_now=1.0)
     grown = st2.scale > st.scale
     assert grown[3] and grown.sum() == 1
-    np.testing.assert_allclose(st2.scale[3], np.abs(w2[:, 3]).max() / 127, rtol=1e-6)
-    assert st2.codes[0, 3] == 127
+    np.testing.assert_allclose(st2.scale[3], 1.1 * np.abs(w2[:, 3]).max() / 127, rtol=1e-6)  # 10 % headroom
+    assert st2.codes[0, 3] == round(127 / 1.1)
     # only that column's cells (and none elsewhere) were rewritten
     touched = (st2.writes_plus != st.writes_plus) | (st2.writes_minus != st.writes_minus)
     assert touched[:, 3].any() and not touched[:, np.arange(touched.shape[1]) != 3].any()

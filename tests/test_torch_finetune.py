@@ -172,8 +172,10 @@ def test_last_layer_finetuning_reprograms_only_the_last_layer_incrementally(rest
         prog = sidra_core.cost.programming(total["pulses"], chip.spec)
         assert total["busy_s"] >= prog.latency_s > 0
         assert total["energy_programming_j"] == pytest.approx(prog.energy_j, rel=1e-6)
-        # Each step rewrites a small fraction of the layer, less than programming it afresh.
-        assert max(per_step) < 0.25 * layer_cells, (per_step, layer_cells)
+        # Each step rewrites a fraction of the layer, less than programming it afresh. Adam's
+        # first update moves every weight by ~lr (over a code for most), later steps far fewer.
+        assert per_step[0] < 0.5 * layer_cells, (per_step, layer_cells)
+        assert max(per_step[1:]) < 0.25 * layer_cells, (per_step, layer_cells)
         assert max(per_step) < initial_cells
         assert total["fallback_ops"] > 0  # the backward runs on the host
 
