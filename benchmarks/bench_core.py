@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import argparse
 import resource
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_time
 
 import sidra_core as sc
-
-
-def _median_time(fn, repeat: int) -> float:
-    fn()  # warm-up (compilation)
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def bench_mvm(repeat: int) -> list[dict]:
@@ -47,9 +36,9 @@ def bench_mvm(repeat: int) -> list[dict]:
             xj, wj = jnp.asarray(x), jnp.asarray(w)
             xt, wt = torch.from_numpy(x), torch.from_numpy(w)
             dot = jax.jit(jnp.dot)
-            t_torch = _median_time(lambda: torch.matmul(xt, wt), repeat)
-            t_jax = _median_time(lambda: dot(xj, wj).block_until_ready(), repeat)
-            t_sidra = _median_time(lambda: chip.linear(res, xj).block_until_ready(), repeat)
+            t_torch = median_time(lambda: torch.matmul(xt, wt), repeat, warmup=2)
+            t_jax = median_time(lambda: dot(xj, wj).block_until_ready(), repeat, warmup=2)
+            t_sidra = median_time(lambda: chip.linear(res, xj).block_until_ready(), repeat, warmup=2)
             base = min(t_torch, t_jax)
             rows_out.append({
                 "shape": f"{rows}x{k} @ {k}x{n}", "torch_ms": t_torch * 1e3, "jax_ms": t_jax * 1e3,

@@ -18,7 +18,6 @@ machine is noisy: ratios are from the same run, timings interleaved.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from functools import partial
@@ -26,6 +25,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_time
 
 import sidra_core
 import sidra_jax as sj
@@ -77,17 +77,6 @@ def encoder_params(rng, d=256, f=1024):
             "ln1": ln(), "ln2": ln()}
 
 
-def _median(fn, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _kernels_only(f, prog, x, chip):
     """A jitted function running only the plan's crossbar MVMs (sidra_core.crossbar.mvm, same shapes,
     snapshots and settings): the floor sidra_jax cannot go below without changing sidra_core's kernel."""
@@ -137,7 +126,7 @@ def bench(name, fn, params, x, repeat: int, rounds: int = 3) -> dict:
     best = dict.fromkeys(timed, float("inf"))
     for _ in range(rounds):
         for k, t in timed.items():
-            best[k] = min(best[k], _median(t, repeat))
+            best[k] = min(best[k], median_time(t, repeat, warmup=3))
     for chip_name in ("int8", "y1"):
         row[chip_name].update(plain_ms=best["plain"] * 1e3, sidra_ms=best[chip_name] * 1e3,
                               kernels_ms=best[chip_name + " kernels"] * 1e3,

@@ -9,25 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from timing import median_time  # noqa: E402
 
 import sidra_torch  # noqa: E402
-
-
-def _median(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def minilm_inputs(batch: int, seq: int):
@@ -45,14 +35,14 @@ def minilm_inputs(batch: int, seq: int):
 def bench_minilm(batch: int, seq: int, repeat: int) -> dict:
     model, enc = minilm_inputs(batch, seq)
     with torch.no_grad():
-        t_cpu = _median(lambda: model(**enc), repeat)
+        t_cpu = median_time(lambda: model(**enc), repeat, warmup=1)
         dev = model.to("sidra:0")
         enc_d = {k: v.to("sidra:0") for k, v in enc.items()}
         t0 = time.perf_counter()
         dev(**enc_d)  # first call programs the crossbars
         t_first = time.perf_counter() - t0
         c0 = torch.sidra.counters()
-        t_dev = _median(lambda: dev(**enc_d), repeat)
+        t_dev = median_time(lambda: dev(**enc_d), repeat, warmup=1)
         c1 = torch.sidra.counters()
     runs = repeat + 1
     return {
@@ -73,8 +63,8 @@ def bench_dispatch(n: int = 20000) -> dict:
         for _ in range(n):
             x + y
 
-    t_cpu = _median(lambda: loop(a, b), 3) / n
-    t_dev = _median(lambda: loop(ad, bd), 3) / n
+    t_cpu = median_time(lambda: loop(a, b), 3, warmup=1) / n
+    t_dev = median_time(lambda: loop(ad, bd), 3, warmup=1) / n
     return {"cpu_us": t_cpu * 1e6, "sidra_us": t_dev * 1e6, "overhead_us": (t_dev - t_cpu) * 1e6}
 
 

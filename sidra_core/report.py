@@ -8,6 +8,7 @@ them by name and renders the same table from PyTorch and from JAX.
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 
 from .cost import COMPONENTS, ZERO, Cost
@@ -154,3 +155,21 @@ def render_table(rows, total: Cost, host_s: float) -> str:
     parts = "  ".join(f"{c}={_fmt_energy(getattr(total, c))}" for c in COMPONENTS if getattr(total, c) > 0)
     console.print(f"Energy by component: {parts or 'none'}")
     return buf.getvalue()
+
+
+def write_chrome_trace(records, path: str) -> None:
+    """A device timeline (simulated clock) in the Chrome trace format (Perfetto, chrome://tracing):
+    one complete event per record, on a lane per place (crossbar, engine, memory, host, user ranges)."""
+    lanes = {"crossbar": 1, "engine": 2, "memory": 3, "host": 4, "user range": 0}
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "SIDRA device (simulated clock)"}}]
+    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
+               for lane, tid in lanes.items()]
+    for r in records:
+        events.append({
+            "name": r.name, "ph": "X", "pid": 0, "tid": lanes.get(r.where, 5), "cat": r.where,
+            "ts": r.start_s * 1e6, "dur": r.cost.latency_s * 1e6,
+            "args": {"energy_J": r.cost.energy_j, "host_bytes": r.host_bytes, "host_sim_s": r.host_s,
+                     **{f"energy_{k}_J": v for k, v in r.cost.energy_by_component().items() if v}},
+        })
+    with open(path, "w") as fh:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)

@@ -14,11 +14,10 @@ table's "Host simulation time" total.
 
 from __future__ import annotations
 
-import json
 import threading
 
 from sidra_core.cost import Cost
-from sidra_core.report import OpRecord, key_averages
+from sidra_core.report import OpRecord, key_averages, write_chrome_trace
 
 _ACTIVE: list = []
 _LOCK = threading.Lock()
@@ -63,17 +62,5 @@ class profile:
         return self.key_averages().total
 
     def export_chrome_trace(self, path: str) -> None:
-        """A device timeline (simulated clock) in the Chrome trace format."""
-        lanes = {"crossbar": 1, "engine": 2, "memory": 3, "host": 4, "user range": 0}
-        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "SIDRA device (simulated clock)"}}]
-        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
-                   for lane, tid in lanes.items()]
-        for r in self.ranges + self.records:
-            events.append({
-                "name": r.name, "ph": "X", "pid": 0, "tid": lanes.get(r.where, 5), "cat": r.where,
-                "ts": r.start_s * 1e6, "dur": r.cost.latency_s * 1e6,
-                "args": {"energy_J": r.cost.energy_j, "host_bytes": r.host_bytes, "host_sim_s": r.host_s,
-                         **{f"energy_{k}_J": v for k, v in r.cost.energy_by_component().items() if v}},
-            })
-        with open(path, "w") as fh:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)
+        """A device timeline (simulated clock) in the Chrome trace format: one event per device op."""
+        write_chrome_trace(self.ranges + self.records, path)

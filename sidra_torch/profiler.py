@@ -14,13 +14,12 @@ each device op shows up as a `sidra::<op>` range.
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch.autograd.profiler as _autograd_profiler
 
 from sidra_core.cost import Cost
-from sidra_core.report import OpRecord, key_averages
+from sidra_core.report import OpRecord, key_averages, write_chrome_trace
 
 from . import runtime
 from . import tensor as _t
@@ -122,16 +121,4 @@ class profile:
 
     def export_chrome_trace(self, path: str) -> None:
         """A device timeline (simulated clock) in the Chrome trace format: one event per device op."""
-        lanes = {"crossbar": 1, "engine": 2, "memory": 3, "host": 4, "user range": 0}
-        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "SIDRA device (simulated clock)"}}]
-        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
-                   for lane, tid in lanes.items()]
-        for r in self.ranges + self.records:
-            events.append({
-                "name": r.name, "ph": "X", "pid": 0, "tid": lanes.get(r.where, 5), "cat": r.where,
-                "ts": r.start_s * 1e6, "dur": r.cost.latency_s * 1e6,
-                "args": {"energy_J": r.cost.energy_j, "host_bytes": r.host_bytes, "host_sim_s": r.host_s,
-                         **{f"energy_{k}_J": v for k, v in r.cost.energy_by_component().items() if v}},
-            })
-        with open(path, "w") as fh:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)
+        write_chrome_trace(self.ranges + self.records, path)

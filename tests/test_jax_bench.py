@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 import re
 from pathlib import Path
 
@@ -15,6 +16,8 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_jax.py"
 
 
 def _load():
+    if str(BENCH.parent) not in sys.path:
+        sys.path.insert(0, str(BENCH.parent))  # the benchmarks' shared timing helper
     spec = importlib.util.spec_from_file_location("bench_jax", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,0 +1,35 @@
+"""The `sidra` command: `sidra info` and `sidra demo` run end to end and exit 0."""
+
+import subprocess
+import sys
+
+import pytest
+
+from sidra_torch import cli, runtime
+
+
+@pytest.fixture
+def keep_chip():
+    saved = runtime._STATE.chip
+    yield
+    runtime._STATE.chip = saved
+
+
+def test_sidra_info(capsys, keep_chip):
+    assert cli.main(["info", "--chip", "int8"]) == 0
+    out = capsys.readouterr().out
+    for word in ("Device properties", "tiles_per_chip", "ideal", "int8", "y1", "Cost model"):
+        assert word in out
+
+
+def test_sidra_demo_quick(capsys, keep_chip):
+    assert cli.main(["demo", "--quick", "--top-ops", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Semantic search" in out and "Embedding agreement with CPU" in out
+    assert "mean cosine 0.9" in out  # the y1 chip's embeddings stay close to the CPU's
+    assert "SIDRA device profile" in out and "sidra::addmm" in out
+
+
+def test_console_script_help():
+    r = subprocess.run([sys.executable, "-m", "sidra_torch.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "demo" in r.stdout and "bench" in r.stdout

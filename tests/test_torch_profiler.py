@@ -1,0 +1,70 @@
+"""The device profiler: per-op records, totals equal to the device counters, table, chrome trace, ranges."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sidra_torch
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).to("sidra:0")
+
+
+def test_profiler_totals_equal_the_device_counters(tmp_path):
+    m = _model()
+    x = torch.randn(4, 32)
+    with sidra_torch.use_chip("int8"):
+        c0 = torch.sidra.counters()
+        with sidra_torch.profiler.profile() as prof:
+            with torch.profiler.record_function("my_block"):
+                y = m(x.to("sidra:0"))
+            y.softmax(-1).cpu()
+            torch.zeros(3, device="sidra:0")
+        c1 = torch.sidra.counters()
+    ka = prof.key_averages()
+    assert ka.total.latency_s == pytest.approx(c1["busy_s"] - c0["busy_s"], rel=1e-9)
+    assert ka.total.energy_j == pytest.approx(c1["energy_j"] - c0["energy_j"], rel=1e-9)
+    for comp in ("array", "adc", "engine", "host", "programming"):
+        assert getattr(ka.total, comp) == pytest.approx(c1[f"energy_{comp}_j"] - c0[f"energy_{comp}_j"], rel=1e-9)
+    rows = {s.name: s for s in ka}
+    assert rows["sidra::addmm"].where == "crossbar" and rows["sidra::addmm"].calls == 2
+    assert rows["sidra::gelu"].where == "engine" and rows["sidra::_to_copy"].where == "host"
+    assert rows["my_block"].where == "user range"
+    # the user range encloses the ops inside it: at least the two crossbar MVMs
+    assert rows["my_block"].device_time_total >= rows["sidra::addmm"].device_time_total
+    # the table adds up: per-row device totals sum to the total (user ranges aside)
+    ops = [s for s in ka if s.where != "user range"]
+    assert sum(s.device_time_total for s in ops) == pytest.approx(ka.total.latency_s, rel=1e-9)
+    table = ka.table(sort_by="device_time_total", row_limit=5)
+    for col in ("Name", "Where", "Device total", "Energy", "Host bytes", "Energy by component"):
+        assert col in table
+    assert table.count("sidra::") + table.count("my_block") <= 5
+    with pytest.raises(ValueError, match="sort_by"):
+        ka.table(sort_by="nope")
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(prof.records) + len(prof.ranges)  # one event per device op, plus ranges
+    assert sum(e["dur"] for e in events if e["cat"] != "user range") == pytest.approx(ka.total.latency_s * 1e6)
+
+
+def test_device_ops_show_under_torch_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    m = _model()
+    x = torch.randn(4, 32).to("sidra:0")
+    with sidra_torch.use_chip("ideal"), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.SIDRA]) as p:
+        m(x)
+    names = {e.key for e in p.key_averages()}
+    assert {"sidra::addmm", "sidra::gelu", "sidra::native_layer_norm"} <= names
+
+
+def test_only_one_profiler_records_at_a_time():
+    with sidra_torch.profiler.profile():
+        with pytest.raises(RuntimeError, match="already recording"):
+            with sidra_torch.profiler.profile():
+                pass
