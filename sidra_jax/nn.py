@@ -127,3 +127,28 @@ def batch_norm(x, mean, var, weight=None, bias=None, eps: float = 1e-5):
 
 __all__ = ["relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm",
            "batch_norm"]
+
+
+def encoder_block(p, x, heads: int = 4):
+    """A BERT-style encoder block in plain JAX (post-norm attention + GELU MLP), on these engine ops.
+
+    `p` holds q, k, v, o, f1, f2 as {"w": (in, out), "b": (out,)} and ln1, ln2 as
+    {"g", "b"}; x is (batch, sequence, d). A reference model for parity tests,
+    benchmarks and notebooks.
+    """
+    import jax.numpy as jnp
+
+    b, s, d = x.shape
+    dh = d // heads
+
+    def lin(t, name):
+        return t @ p[name]["w"] + p[name]["b"]
+
+    def split(t):
+        return t.reshape(b, s, heads, dh).transpose(0, 2, 1, 3)
+
+    q, k, v = split(lin(x, "q")), split(lin(x, "k")), split(lin(x, "v"))
+    scores = jnp.einsum("bhsd,bhtd->bhst", q, k) * (1.0 / dh ** 0.5)
+    a = jnp.einsum("bhst,bhtd->bhsd", softmax(scores, axis=-1), v).transpose(0, 2, 1, 3).reshape(b, s, d)
+    x = layer_norm(x + lin(a, "o"), p["ln1"]["g"], p["ln1"]["b"])
+    return layer_norm(x + lin(gelu(lin(x, "f1")), "f2"), p["ln2"]["g"], p["ln2"]["b"])

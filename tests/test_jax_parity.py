@@ -110,21 +110,7 @@ class Encoder(tnn.Module):
         return self.ln2(x + self.f2(F.gelu(self.f1(x))))
 
 
-def encoder(p, x, heads=4):
-    b, s, d = x.shape
-    dh = d // heads
-
-    def lin(t, name):
-        return t @ p[name]["w"] + p[name]["b"]
-
-    def split(t):
-        return t.reshape(b, s, heads, dh).transpose(0, 2, 1, 3)
-
-    q, k, v = split(lin(x, "q")), split(lin(x, "k")), split(lin(x, "v"))
-    scores = jnp.einsum("bhsd,bhtd->bhst", q, k) * (1.0 / np.sqrt(dh))
-    a = jnp.einsum("bhst,bhtd->bhsd", snn.softmax(scores, axis=-1), v).transpose(0, 2, 1, 3).reshape(b, s, d)
-    x = snn.layer_norm(x + lin(a, "o"), p["ln1"]["g"], p["ln1"]["b"])
-    return snn.layer_norm(x + lin(snn.gelu(lin(x, "f1")), "f2"), p["ln2"]["g"], p["ln2"]["b"])
+encoder = snn.encoder_block
 
 
 def jax_params(module: tnn.Module) -> dict:
