@@ -15,7 +15,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from . import rng
 from .blocks import BLOCK, map_blocks

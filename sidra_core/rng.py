@@ -10,7 +10,6 @@ arrays were batched or compacted.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -35,11 +34,6 @@ def seed32(*parts: int) -> int:
             h = ((h ^ ((p >> shift) & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
             h ^= h >> 15
     return h
-
-
-def key_seed(key) -> jax.Array:
-    """A uint32 seed drawn from a JAX PRNG key (traceable)."""
-    return jax.random.bits(key, (), jnp.uint32)
 
 
 def bits(seed, counter):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -161,7 +160,7 @@ def mm(func, args, uargs, ukwargs):
 
 
 def addmm(func, args, uargs, ukwargs):
-    bias, a, b = args[0], args[1], args[2]
+    a, b = args[1], args[2]
     beta, alpha = ukwargs.get("beta", 1), ukwargs.get("alpha", 1)
     if beta == 1 and alpha == 1 and weight_base(b) is not None and weight_base(a) is None:
         return _linear(uargs[1], b, False, uargs[0])
@@ -184,7 +183,7 @@ def baddbmm(func, args, uargs, ukwargs):
 
 def linear(func, args, uargs, ukwargs):
     """aten.linear arrives whole under inference_mode: weight (N, K), so the crossbar holds W^T."""
-    x, w = args[0], args[1]
+    w = args[1]
     bias = uargs[2] if len(uargs) > 2 else ukwargs.get("bias")
     if weight_base(w) is None:
         out = _engine_matmul(uargs[0], uargs[1].t())
@@ -205,7 +204,7 @@ def matmul(func, args, uargs, ukwargs):
 
 
 def convolution(func, args, uargs, ukwargs):
-    x, w = args[0], args[1]
+    w = args[1]
     bias = uargs[2]
     stride, padding, dilation, transposed, _, groups = uargs[3:9]
     if transposed or weight_base(w) is None or w.dim() not in (3, 4, 5) or isinstance(padding, str):

@@ -271,9 +271,6 @@ class _OpInfo:
     FUNCTIONAL, MUTATING, VIEW = 0, 1, 2
 
 
-_OPINFO: dict = {}
-
-
 def _analyze(func) -> _OpInfo:
     info = _OpInfo()
     info.op = func._op  # the C++ callable; skips OpOverload.__call__'s frame
@@ -316,7 +313,6 @@ def _analyze(func) -> _OpInfo:
 
     # where the op runs on the chip (crossbar, engine, memory, host) and its pricing; None = free
     info.runner = runner_for(func, info.view or info.meta_mut)
-    _OPINFO[func] = info
     # cache on the OpOverload object itself: attribute lookup (~30 ns) is
     # cheaper than a dict keyed by OpOverload (its __hash__ is Python code)
     func._sidra_info = info
@@ -628,11 +624,6 @@ def _torch_dispatch(cls, func, types, args=(), kwargs=None):
                 _written(res)
             outs.append(res)
     return tuple(outs)
-
-
-def _dispatch(func, args=(), kwargs=None):
-    """Call the sidra implementation of an aten op directly (tests/tools)."""
-    return _torch_dispatch(SidraTensor, func, None, args, kwargs)
 
 
 SidraTensor.__torch_dispatch__ = classmethod(_torch_dispatch)

@@ -97,13 +97,6 @@ def install() -> None:
     _t._written = _count_write
 
 
-def tag_module(module: torch.nn.Module) -> None:
-    """Give every device parameter and buffer its qualified name (used in reports)."""
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if isinstance(t, _t.SidraTensor):
-            t.__dict__[_NAME] = name
-
-
 # ---------------------------------------------------------------------------
 # Capacity: refuse a model that cannot fit before programming any of it.
 

@@ -3,26 +3,18 @@
 import subprocess
 import sys
 
-import pytest
-
-from sidra_torch import cli, runtime
-
-
-@pytest.fixture
-def keep_chip():
-    saved = runtime._STATE.chip
-    yield
-    runtime._STATE.chip = saved
+from conftest_torch import restore_chip  # noqa: F401  (puts back the chip and seed)
+from sidra_torch import cli
 
 
-def test_sidra_info(capsys, keep_chip):
+def test_sidra_info(capsys, restore_chip):
     assert cli.main(["info", "--chip", "int8"]) == 0
     out = capsys.readouterr().out
     for word in ("Device properties", "tiles_per_chip", "ideal", "int8", "y1", "Cost model"):
         assert word in out
 
 
-def test_sidra_demo_quick(capsys, keep_chip):
+def test_sidra_demo_quick(capsys, restore_chip):
     assert cli.main(["demo", "--quick", "--top-ops", "3"]) == 0
     out = capsys.readouterr().out
     assert "Semantic search" in out and "Embedding agreement with CPU" in out

@@ -22,19 +22,10 @@ import sidra_core
 import sidra_jax as sj
 import sidra_jax.nn as snn
 import sidra_torch
-from sidra_torch import runtime as _runtime
+from conftest_torch import restore_chip  # noqa: F401  (puts back the chip and seed)
 
 PRESETS = ("ideal", "int8", "y1")
 _seeds = itertools.count(9100)
-
-
-@pytest.fixture
-def restore_torch_chip():
-    prev_chip, prev_seed = _runtime.current_chip(), _runtime.initial_seed()
-    yield
-    with _runtime._STATE.lock:
-        _runtime._STATE.chip = prev_chip
-        _runtime._STATE.seed = prev_seed
 
 
 # ---------------------------------------------------------------------------
@@ -171,7 +162,7 @@ def run_jax(fn, params, x, spec, seed, calls=2):
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_parity_outputs_time_energy(model, preset, restore_torch_chip):
+def test_parity_outputs_time_energy(model, preset, restore_chip):
     make, fn, xshape = MODELS[model]
     torch.manual_seed(0)
     module = make().eval()
@@ -205,7 +196,7 @@ def test_parity_outputs_time_energy(model, preset, restore_torch_chip):
         assert not np.array_equal(j_runs[0][0], j_runs[1][0])
 
 
-def test_parity_y1_differs_from_int8_and_float(restore_torch_chip):
+def test_parity_y1_differs_from_int8_and_float(restore_chip):
     """The parity above is not vacuous: y1 and int8 outputs differ from float and from each other."""
     torch.manual_seed(0)
     module = Encoder().eval()
@@ -222,7 +213,7 @@ def test_parity_y1_differs_from_int8_and_float(restore_torch_chip):
     assert np.abs(outs["y1"] - outs["int8"]).max() > 1e-3
 
 
-def test_parity_on_the_very_same_chip(restore_torch_chip):
+def test_parity_on_the_very_same_chip(restore_chip):
     """A JAX function run on sidra_torch.current_chip(): the steady-state forward costs the same."""
     torch.manual_seed(0)
     module = MLP().eval()
