@@ -69,7 +69,8 @@ def _cpu_kwargs(kwargs):
 def _new_on_device(out):
     """A factory result: count it against device memory, price writing it, wrap it."""
     _t.track_new(out)
-    _runtime.current_chip().charge_memory(_nbytes(out), "sram")
+    if not _runtime.unpriced():
+        _runtime.current_chip().charge_memory(_nbytes(out), "sram")
     return _t._wrap_out(out)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.compiler as _torch_compiler
 
 import sidra_core
 from sidra_core import Chip, ChipSpec
@@ -44,6 +45,12 @@ class _Quiet(threading.local):
 
 
 QUIET = _Quiet()
+
+
+def unpriced() -> bool:
+    """Ops run as plain host computations, unpriced and untracked: under `quiet()`, and while
+    torch.compile traces (sidra tensors then hold fake tensors: only shapes propagate)."""
+    return QUIET.on or _torch_compiler._is_compiling_flag
 
 
 @contextlib.contextmanager

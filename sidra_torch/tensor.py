@@ -15,6 +15,7 @@ import sys as _sys
 import weakref as _weakref
 
 import torch
+import torch.compiler as _torch_compiler
 import torch.autograd.profiler as _autograd_profiler
 from torch._C import _disabled_torch_function_impl
 
@@ -103,7 +104,9 @@ class SidraTensor(torch.Tensor):
     # it the inner storage for the outer tensor breaks fakification) keep
     # seeing the real wrapper storage.
     def untyped_storage(self):
-        if _sys._getframe(1).f_globals.get("__name__", "").startswith("torch."):
+        # (A fake made while dynamo traces answers with its fake inner storage: dynamo resizes
+        # an empty tensor's storage to 0 bytes, which a PrivateUse1 storage cannot do.)
+        if _sys._getframe(1).f_globals.get("__name__", "").startswith("torch.") and type(self._inner) is _Tensor:
             return _Tensor.untyped_storage(self)
         return self._inner.untyped_storage()
 
@@ -326,6 +329,9 @@ def _unwrap_tensor(a, check):
     """The device memory of a sidra tensor; a host tensor passes only as a 0-dim scalar (like CUDA)."""
     if isinstance(a, SidraTensor):
         return a._inner
+    if a.device.type == DEVICE_TYPE:
+        # Only while dynamo traces: its fake mode makes factories' results plain fakes on sidra.
+        return a.to(CPU)
     if check and a.dim() != 0 and a.device.type != "meta":
         raise _device_error(a.device)
     return a
@@ -378,7 +384,12 @@ def _untrack(ptr: int, nbytes: int) -> None:
 
 
 def track_new(out) -> None:
-    """Count new device storages against the chip's memory (raises OutOfMemoryError past capacity)."""
+    """Count new device storages against the chip's memory (raises OutOfMemoryError past capacity).
+
+    Not under `runtime.quiet()` (host temporaries) nor while dynamo traces (fakes).
+    """
+    if _runtime.unpriced():
+        return
     if isinstance(out, _Tensor):
         if out.layout is not torch.strided:
             return
@@ -444,14 +455,11 @@ def _to_copy(func, args, kwargs):
             kw["device"] = device
             # leaving the device: return a real CPU tensor (always a copy) over the host link
             out = func(inner, *args[1:], **kw)
-            _runtime.current_chip().charge_host(out.numel() * out.element_size())
+            _charge(out, "host")
             return out
     out = func(inner, *args[1:], **kw)
     track_new(out)
-    if isinstance(x, SidraTensor):
-        _runtime.current_chip().charge_memory(out.numel() * out.element_size(), "sram")
-    else:
-        _runtime.current_chip().charge_host(out.numel() * out.element_size())
+    _charge(out, "sram" if isinstance(x, SidraTensor) else "host")
     return _wrap(out)
 
 
@@ -468,14 +476,24 @@ def _copy_(func, args, kwargs):
 
 def charge_copy(dst, src, d) -> None:
     """A copy inside device memory, or across the host link when one side is on the host."""
-    nbytes = d.numel() * d.element_size()
-    chip = _runtime.current_chip()
     if isinstance(dst, SidraTensor) and isinstance(src, SidraTensor):
-        chip.charge_memory(nbytes, "sram")
+        _charge(d, "sram")
     elif isinstance(src, _Tensor) and src.dim() == 0 and not isinstance(src, SidraTensor):
-        chip.charge_memory(nbytes, "sram")  # a host scalar broadcast into device memory
+        _charge(d, "sram")  # a host scalar broadcast into device memory
     else:
+        _charge(d, "host")
+
+
+def _charge(t: torch.Tensor, where: str) -> None:
+    """Price writing `t` in device SRAM or moving it over the host link (see runtime.unpriced)."""
+    if _runtime.unpriced():
+        return
+    nbytes = t.numel() * t.element_size()
+    chip = _runtime.current_chip()
+    if where == "host":
         chip.charge_host(nbytes)
+    else:
+        chip.charge_memory(nbytes, where)
 
 
 def _is_pinned(func, args, kwargs):
@@ -503,15 +521,14 @@ def _to(func, args, kwargs):
             kwargs = dict(kwargs)
             kwargs["device"] = CPU if device.type == DEVICE_TYPE else device
     out = func(inner, *args[1:], **kwargs)
-    nbytes = out.numel() * out.element_size()
     if device is None or device.type == DEVICE_TYPE:
         if out is inner:
             return x  # no-op .to() returns self, like every backend
         track_new(out)
-        _runtime.current_chip().charge_memory(nbytes, "sram")
+        _charge(out, "sram")
         return _wrap(out)
     # leaving the device over the host link: never hand out the device memory itself
-    _runtime.current_chip().charge_host(nbytes)
+    _charge(out, "host")
     return out.clone() if out is inner else out
 
 
@@ -564,7 +581,7 @@ def _torch_dispatch(cls, func, types, args=(), kwargs=None):
         if info.has_device:
             kwargs, do_wrap = _fix_device_kw(kwargs)
         ukwargs = _unwrap_kwargs(kwargs, info.check)
-    runner = info.runner if not _runtime.QUIET.on else None
+    runner = info.runner if not (_runtime.QUIET.on or _torch_compiler._is_compiling_flag) else None
     if runner is not None:
         if observer is not None:
             out = observer(func, runner, args, uargs, ukwargs)

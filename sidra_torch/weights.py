@@ -65,7 +65,12 @@ _RUNNING = _Running()
 
 
 def _tag_module(module, args):
-    """Forward pre-hook on every module: name its device parameters and buffers (once)."""
+    """Forward pre-hook on every module: name its device parameters and buffers (once).
+
+    Skipped while dynamo traces: a compiled graph checks capacity and maps its weights itself.
+    """
+    if torch.compiler.is_compiling():
+        return
     if isinstance(module, _DynamicQuantLinear):
         _RUNNING.qlinear = module
     if module.__dict__.get("_sidra_tagged"):
@@ -80,7 +85,7 @@ def _tag_module(module, args):
 
 def _leave_module(module, args, output):
     """Forward hook: a quantized Linear's forward is over (its weights are no longer the context)."""
-    if _RUNNING.qlinear is module:
+    if not torch.compiler.is_compiling() and _RUNNING.qlinear is module:
         _RUNNING.qlinear = None
 
 
@@ -124,10 +129,14 @@ def crossbar_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, t
 def _check_fits(module) -> None:
     """Before a module's first forward: will all its crossbar weights fit on the chip?"""
     chip = runtime.current_chip()
-    pending = [shape for _, w, shape in crossbar_weights(module)
-               if not any(k[0] == id(chip) for k in w.__dict__.get(_TABLE, ()))]
+    pending = [shape for _, w, shape in crossbar_weights(module) if not programmed_on(w, chip)]
     if pending:
         chip.check_fits(pending, name=f"{type(module).__name__} ({len(pending)} crossbar weights)")
+
+
+def programmed_on(base, chip) -> bool:
+    """Does the chip hold a programmed copy (any view) of this weight?"""
+    return any(k[0] == id(chip) for k in base.__dict__.get(_TABLE, ()))
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,263 @@
+"""torch.compile(model, backend="sidra"): compiled outputs equal eager on the same chip and seed
+(ideal, int8: float rounding; y1: the same noise draws), fusion shows in the graph and the
+profiler, the static crossbar mapping, graph splits around ops without a lowering, the
+pipelined latency, plan reuse and recompile warnings, capacity errors, training."""
+
+from __future__ import annotations
+
+import copy
+import math
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+import sidra_torch
+from sidra_torch.compiler import compiled_graphs, mapping_report
+
+from conftest_torch import D, ideal, int8, load_minilm, max_abs_diff, restore_chip  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+CHIPS = ["ideal", "int8", "y1"]
+TOL = {"ideal": 1e-5, "int8": 1e-5, "y1": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _bert():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=128, max_position_embeddings=64)
+    return transformers.BertModel(cfg).eval()
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _cnn():
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 10)).eval()
+
+
+def _text_inputs(batch=2, length=9):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # padding exercises the attention mask
+    return {"input_ids": ids.to(D), "attention_mask": mask.to(D)}
+
+
+MODELS = {
+    "bert": (_bert, _text_inputs, lambda o: o.last_hidden_state),
+    "gpt2": (_gpt2, _text_inputs, lambda o: o.logits),
+    "cnn": (_cnn, lambda: {"input": torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0)).to(D)},
+            lambda o: o),
+}
+
+
+def _eager_and_compiled(model, inputs, out, seed=1):
+    """Eager then compiled forward on the current chip, each from the same device seed.
+
+    The eager warm-up call programs the weights first, so both measured calls draw the
+    same noise seeds (programming consumes seeds too).
+    """
+    with torch.no_grad():
+        model(**inputs)
+        torch.sidra.manual_seed(seed)
+        ref = out(model(**inputs))
+        compiled = torch.compile(model, backend="sidra")
+        torch.sidra.manual_seed(seed)
+        got = out(compiled(**inputs))
+    return ref, got, compiled
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_compiled_equals_eager(restore_chip, chip, name):
+    build, inputs, out = MODELS[name]
+    with sidra_torch.use_chip(chip):
+        model = build().to(D)
+        ref, got, _ = _eager_and_compiled(model, inputs(), out)
+    assert got.device == torch.device(D) and got.shape == ref.shape
+    assert max_abs_diff(got, ref) <= TOL[chip]
+
+
+def test_y1_compiled_draws_fresh_noise_per_call(restore_chip):
+    """Same seed, same draws (above); a different seed, a different read of the same tiles."""
+    with sidra_torch.use_chip("y1"):
+        model = _bert().to(D)
+        inputs = _text_inputs()
+        ref, got, compiled = _eager_and_compiled(model, inputs, MODELS["bert"][2])
+        with torch.no_grad():
+            again = compiled(**inputs).last_hidden_state
+    assert max_abs_diff(got, ref) <= TOL["y1"]
+    assert max_abs_diff(again, got) > 1e-4
+
+
+@pytest.mark.parametrize("chip", ["ideal", "int8"])
+def test_minilm_real_weights_compiled_equals_eager(restore_chip, chip):
+    model, tok = load_minilm()
+    enc = tok(["The analog chip multiplies in one step.", "Weights are conductances."], padding=True,
+              return_tensors="pt")
+    with sidra_torch.use_chip(chip):
+        dev = model.to(D)
+        ref, got, _ = _eager_and_compiled(dev, {k: v.to(D) for k, v in enc.items()}, lambda o: o.last_hidden_state)
+    assert max_abs_diff(got, ref) <= 1e-5
+
+
+def _plan():
+    return next(reversed(compiled_graphs()[-1].plans.values()))
+
+
+def test_fusion_is_in_the_graph_and_the_profiler(int8):
+    model = _bert().to(D)
+    inputs = _text_inputs()
+    with torch.no_grad(), sidra_torch.profiler.profile() as eager_prof:
+        model(**inputs)
+    _, _, compiled = _eager_and_compiled(model, inputs, MODELS["bert"][2])
+    plan = _plan()
+    fused = [n for n in plan.graph.graph.nodes if n.op == "call_function" and n.name.startswith("sidra_fused_")]
+    # each layer: attention output (addmm + residual add), FFN up (addmm + gelu), FFN down (addmm +
+    # residual add); the pooler: addmm + tanh
+    assert len(fused) == plan.fused == 7
+    assert {n.name.rstrip("_0123456789") for n in fused} == {
+        "sidra_fused_addmm_add", "sidra_fused_addmm_gelu", "sidra_fused_addmm_tanh"}
+    with torch.no_grad(), sidra_torch.profiler.profile() as prof:
+        compiled(**inputs)
+    names = [r.name for r in prof.records]
+    assert names.count("sidra::fused_addmm_gelu") == 2 and names.count("sidra::fused_addmm_add") == 4
+    assert names.count("sidra::fused_addmm_tanh") == 1
+    compute = lambda recs: [r for r in recs if r.where in ("crossbar", "engine")]  # noqa: E731
+    # fusion removes one engine op per fused epilogue op (7 residual adds / activations)
+    assert len(compute(prof.records)) <= len(compute(eager_prof.records)) - 7
+    # the profiler's totals are what the compiled call charged the clock
+    total = prof.total
+    assert math.isclose(total.latency_s, plan.cost.latency_s, rel_tol=1e-9)
+    assert math.isclose(total.energy_j, plan.cost.energy_j, rel_tol=1e-9)
+
+
+def test_compiled_latency_pipelines_and_energy_is_kept(int8):
+    model = _bert().to(D)
+    inputs = _text_inputs(batch=4, length=32)
+    with torch.no_grad():
+        model(**inputs)
+        torch.sidra.reset_counters()
+        model(**inputs)
+        eager = torch.sidra.counters()
+        compiled = torch.compile(model, backend="sidra")
+        compiled(**inputs)
+        torch.sidra.reset_counters()
+        compiled(**inputs)
+        comp = torch.sidra.counters()
+    assert comp["mvms"] == eager["mvms"] and comp["tile_reads"] == eager["tile_reads"]
+    assert comp["time_s"] < 0.5 * eager["time_s"]
+    # same crossbar work: the analog energies are equal, fusion only saves SRAM traffic
+    for c in ("dac", "array", "adc", "accum"):
+        assert math.isclose(comp[f"energy_{c}_j"], eager[f"energy_{c}_j"], rel_tol=1e-9)
+    assert comp["energy_memory_j"] <= eager["energy_memory_j"]
+
+
+def test_mapping_report_for_known_shapes(ideal):
+    model = torch.nn.Sequential(torch.nn.Linear(300, 600), torch.nn.ReLU(), torch.nn.Linear(600, 10)).to(D)
+    compiled = torch.compile(model, backend="sidra")  # the report lives as long as the compiled model
+    with torch.no_grad():
+        compiled(torch.randn(2, 300).to(D))
+    rep = mapping_report()
+    assert [(w.k, w.n, w.tiles) for w in rep.weights] == [(300, 600, 6), (600, 10, 3)]
+    assert rep.tiles_used == 9 and rep.fits
+    assert math.isclose(rep.weights[0].utilisation, 300 * 600 / (6 * 256 * 256))
+    assert math.isclose(rep.utilisation, (300 * 600 + 600 * 10) / (9 * 256 * 256))
+    assert rep.weights[0].name == "0.weight" and "9 tiles" in rep.table()
+
+
+class _WithHostOp(torch.nn.Module):
+    """An op without a device lowering (cumprod runs on the host) between two crossbar layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(torch.cumprod(h, dim=-1))
+
+
+def test_unsupported_op_splits_the_graph_and_runs(int8):
+    model = _WithHostOp().to(D)
+    x = torch.randn(3, 8).to(D)
+    ref, got, compiled = _eager_and_compiled(model, {"x": x}, lambda o: o)
+    assert max_abs_diff(got, ref) <= 1e-6
+    plan = _plan()
+    eager = [s.nodes[0].target for s in plan.segments if s.eager]
+    assert eager == [torch.ops.aten.cumprod.default]
+    assert sum(not s.eager for s in plan.segments) == 2
+    torch.sidra.reset_counters()
+    with torch.no_grad():
+        compiled(x)
+    assert torch.sidra.counters()["fallback_ops"] == 1
+
+
+def test_repeated_shapes_reuse_the_plan_and_many_shapes_warn(int8):
+    calls = []
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).to(D)
+    compiled = torch.compile(model, backend="sidra")
+    from sidra_torch.compiler import program
+
+    build = program.Plan.__init__
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return build(self, *a, **k)
+
+    program.Plan.__init__ = counting
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(torch.randn(4, 8).to(D))
+            assert len(calls) == 1
+            with pytest.warns(UserWarning, match="specialised for 9 input shapes"):
+                for rows in range(5, 14):
+                    compiled(torch.randn(rows, 8).to(D))
+    finally:
+        program.Plan.__init__ = build
+
+
+def test_backend_is_registered_by_entry_point():
+    assert "sidra" in {e.name for e in entry_points(group="torch_dynamo_backends")}
+    assert "sidra" in torch._dynamo.list_backends()
+
+
+def test_model_larger_than_chip_fails_before_programming(restore_chip):
+    from sidra_core import ChipCapacityError
+
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 300)).to(D)  # 4 + 4 tiles
+    with sidra_torch.use_chip("int8", tile__tiles_per_chip=6, tile__allow_multi_chip=False) as chip:
+        with torch.no_grad(), pytest.raises(ChipCapacityError, match="8"):
+            torch.compile(model, backend="sidra")(torch.randn(2, 300).to(D))
+        assert chip.tiles_in_use == 0  # nothing was programmed
+
+
+def test_training_through_the_compiled_model_matches_eager(ideal):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)).to(D)
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(4, 8).to(D), torch.tensor([0, 1, 1, 0]).to(D)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    loss_fn(torch.compile(model, backend="sidra")(x), y).backward()
+    loss_fn(twin(x), y).backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert p.grad is not None and max_abs_diff(p.grad, q.grad) <= 1e-6
