@@ -21,6 +21,7 @@ weights) and their unwrapped CPU tensors, and returns the unwrapped result.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
@@ -236,11 +237,17 @@ def conv_nd(func, args, uargs, ukwargs):
 
 
 def _round_engine(t: torch.Tensor) -> torch.Tensor:
-    """Round a float result to the engine's storage format (identity at fp32)."""
+    """Round a float result to the engine's storage format (identity at fp32), saturating: a finite value
+    beyond the format's range becomes its largest finite value, not +-inf, so an fp32 model's finfo.min
+    attention mask stays finite (a fully masked row softmaxes as on the host instead of to NaN)."""
     dt = getattr(torch, STORAGE[runtime.current_chip().spec.engine.precision])
     if dt == torch.float32 or not t.is_floating_point() or t.dtype == dt:
         return t
-    return t.to(dt).to(t.dtype)
+    r = t.to(dt)
+    if not math.isfinite(r.sum(dtype=torch.float32).item()):  # an overflow, or a real inf / NaN (one cheap check)
+        big = torch.finfo(dt).max
+        r = torch.where(t.isfinite(), t.clamp(-big, big).to(dt), r)
+    return r.to(t.dtype)
 
 
 def _elementwise_finish(out, numel: int):
