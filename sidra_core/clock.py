@@ -1,4 +1,9 @@
-"""The device clock and counters: simulated time, energy by component, event counts."""
+"""The device clock and counters: simulated time, energy by component, event counts.
+
+Energy is what each operation costs (sidra_core.cost, by component) plus the chip's background
+power over the time it is busy (CostSpec.background_w: leakage, clocks, analog bias, DRAM
+refresh, link PHYs), the `background` component, added by `charge` to each op.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from dataclasses import dataclass
 
 from .cost import COMPONENTS, ZERO, Cost
 
+_BACKGROUND = COMPONENTS.index("background")
 COUNTS = ("mvms", "tile_reads", "engine_ops", "memory_ops", "pulses", "cells_programmed",
           "fallback_ops", "host_transfers", "host_bytes")
 
@@ -63,10 +69,12 @@ class DeviceClock:
     `charge` adds in place (an eager op must not build new immutable objects);
     `counters` returns an immutable Counters snapshot. The clock never goes
     back: `reset_counters` zeroes the counts and energy but keeps the time,
-    because programmed cells keep drifting.
+    because programmed cells keep drifting. `background_w` (W) is charged over busy time (the
+    Chip sets it from its spec); idle time is not: RRAM keeps its weights unpowered.
     """
 
-    def __init__(self):
+    def __init__(self, background_w: float = 0.0):
+        self.background_w = float(background_w)
         self._lock = threading.Lock()
         self._epoch_s = 0.0  # device time at the last counter reset
         self._zero()
@@ -91,6 +99,7 @@ class DeviceClock:
         with self._lock:
             self._busy += cost.latency_s
             e = self._energy
+            e[_BACKGROUND] += self.background_w * cost.latency_s
             for i, v in enumerate(cost.energies):
                 e[i] += v
             c = self._counts
@@ -100,7 +109,7 @@ class DeviceClock:
                 c[k] += int(v)
 
     def raw(self) -> tuple:
-        """(busy s, energies tuple, counts dict): a cheap reading for per-op deltas."""
+        """(busy s, operation energies tuple, counts dict): a cheap reading for per-op deltas."""
         with self._lock:
             return self._busy, tuple(self._energy), dict(self._counts)
 

@@ -4,20 +4,24 @@ Pure Python over shapes (no tracing), so the eager bridge, the compiled
 bridge and the JAX bridge price the same operation identically, and a model
 can be priced without running it (a dry run). Being pure, the per-op
 functions are memoised: an eager op pays a dictionary lookup, not the formula.
+
+The `background` component is not an operation's own: the chip's background power
+(CostSpec.background_w) over an op's latency, which the device clock adds when it charges the op
+(`with_background`), so profilers attribute it to the ops that kept the chip busy.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
 from .mapping import tile_grid
 from .spec import ChipSpec
 
-COMPONENTS = ("dac", "array", "adc", "accum", "engine", "memory", "host", "chip_link", "programming")
+COMPONENTS = ("dac", "array", "adc", "accum", "engine", "memory", "host", "chip_link", "programming", "background")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class Cost:
     host: float = 0.0
     chip_link: float = 0.0
     programming: float = 0.0
+    background: float = 0.0  # the chip's background power over this op's latency
 
     def __post_init__(self):
         # Energies as a tuple, in COMPONENTS order: what a clock adds up on every op.
@@ -57,6 +62,12 @@ class Cost:
 
     def scaled(self, k: float) -> "Cost":
         return Cost(*(getattr(self, f.name) * k for f in fields(Cost)))
+
+    def with_background(self, watts: float) -> "Cost":
+        """This op with the chip's background power drawn over its latency."""
+        if not watts:
+            return self
+        return replace(self, background=self.background + watts * self.latency_s)
 
 
 ZERO = Cost()

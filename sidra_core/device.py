@@ -72,6 +72,9 @@ class Chip:
     _op_counter: int = 0
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
+    def __post_init__(self):
+        self.clock.background_w = self.spec.cost.background_w  # the chip's power while it works
+
     @classmethod
     def create(cls, chip="y1", seed: int = 0, **overrides) -> "Chip":
         return cls(spec=resolve(chip, **overrides), seed=seed)

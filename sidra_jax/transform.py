@@ -65,10 +65,12 @@ class Report:
     def __init__(self, plan: _plan.Plan, names: list[str], fn_name: str):
         self.plan = plan
         self.fn_name = fn_name
-        self.total: Cost = plan.total
+        watts = plan.spec.cost.background_w  # the chip's background power over the ops' latency
+        self.total: Cost = plan.total.with_background(watts)
         self.counts = dict(plan.counts)
         self.weights = [(names[w.leaf], w.k, w.n) for w in plan.wrefs]
-        self.records = [OpRecord(s.name, s.where, s.cost, s.counts.get("host_bytes", 0)) for s in plan.steps]
+        self.records = [OpRecord(s.name, s.where, s.cost.with_background(watts), s.counts.get("host_bytes", 0))
+                        for s in plan.steps]
 
     @property
     def latency_s(self) -> float:
@@ -222,7 +224,8 @@ class SidraFunction:
 
     def cost(self, *args, **kwargs) -> Cost:
         """Device latency and energy of one call (steady state: weights already programmed)."""
-        return self.plan(*args, **kwargs).total
+        p = self.plan(*args, **kwargs)
+        return p.total.with_background(p.spec.cost.background_w)
 
     # -- calls -----------------------------------------------------------------------
 
@@ -269,7 +272,8 @@ class SidraFunction:
             if records is None:
                 records, t = [], start
                 for s in plan.steps:
-                    records.append(OpRecord(s.name, s.where, s.cost, s.counts.get("host_bytes", 0), 0.0, t))
+                    c = s.cost.with_background(clock.background_w)
+                    records.append(OpRecord(s.name, s.where, c, s.counts.get("host_bytes", 0), 0.0, t))
                     t += s.cost.latency_s
             total = ZERO
             for r in records:

@@ -51,6 +51,8 @@ def _to_jax(t: torch.Tensor):
 
 
 def _to_torch(a, dtype=torch.float32) -> torch.Tensor:
+    if isinstance(a, jax.ShapeDtypeStruct):  # a kernel's output in a dry run (runtime.dry_run): zeros
+        return torch.zeros(a.shape, dtype=dtype)
     out = torch.from_dlpack(a)
     return out if dtype == torch.float32 else out.to(dtype)
 

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
 import torch
 import torch.compiler as _torch_compiler
 
@@ -135,6 +136,55 @@ def on_programmed(callback):
 def notify_programmed(resident) -> None:
     for cb in list(_PROGRAM_LISTENERS):
         cb(resident)
+
+
+# -- dry run: price without computing ------------------------------------------
+
+_KERNELS = ("linear", "conv", "engine", "matmul")  # the Chip methods that compute and charge an op
+
+
+def _shapes_only(method):
+    """`method` under jax.eval_shape: its Python part (pricing, noise seeds, snapshots) runs as in a
+    real call, its jitted kernels are traced for their output shapes and never execute."""
+
+    def run(*args, **kwargs):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        arrays = [i for i, v in enumerate(leaves) if isinstance(v, jax.Array)]
+
+        def traced(*values):
+            filled = list(leaves)
+            for i, v in zip(arrays, values):
+                filled[i] = v
+            a, kw = jax.tree_util.tree_unflatten(tree, filled)
+            # Work on concrete values (a weight's read snapshot, cached on the chip) is done for real:
+            # only what depends on the traced inputs is left abstract, so no tracer outlives the call.
+            with jax.ensure_compile_time_eval():
+                return method(*a, **kw)
+
+        return jax.eval_shape(traced, *(leaves[i] for i in arrays))
+
+    return run
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Price ops without computing them (`sidra bench --dry-run`).
+
+    Inside the block the current chip's crossbar and engine kernels only trace their output shapes,
+    and their results are zeros; everything else runs as in a real call: dispatch, the same cost
+    functions, the noise-seed stream, and the programming of new weights (ISPP pulses depend on the
+    weights' values, so it is simulated). A dry run's counters equal a real run's.
+    """
+    chip = current_chip()
+    if any(name in vars(chip) for name in _KERNELS):
+        raise RuntimeError("a dry run of this chip is already in progress")
+    for name in _KERNELS:  # instance attributes shadow the Chip methods for this chip only
+        setattr(chip, name, _shapes_only(getattr(chip, name)))
+    try:
+        yield chip
+    finally:
+        for name in _KERNELS:
+            delattr(chip, name)
 
 
 # -- memory ---------------------------------------------------------------

@@ -219,12 +219,14 @@ def _w(k, n, seed=0):
 def test_chip_charges_programming_mvm_and_engine():
     chip = sc.Chip.create("y1", seed=0)
     spec = chip.spec
+    watts = spec.cost.background_w  # the y1 chip's background power, drawn over each op's latency
+    assert watts > 0
     res = chip.program(_w(300, 200), name="fc")
     c = chip.clock.counters
     pulses = res.state.programming.pulses
     assert pulses > 0
     assert c.pulses == pulses and c.cells_programmed == res.state.programming.cells_written
-    assert c.cost == cost.programming(pulses, spec)
+    assert c.cost == cost.programming(pulses, spec).with_background(watts)
     assert chip.tiles_in_use == 2 and res.first_tile == 0
 
     before = chip.clock.counters
@@ -233,7 +235,7 @@ def test_chip_charges_programming_mvm_and_engine():
     assert y.shape == (7, 200)
     c = chip.clock.counters
     assert c.mvms == before.mvms + 1 and c.tile_reads == before.tile_reads + 7 * 2
-    assert c.cost == before.cost + cost.mvm(7, 300, 200, spec)
+    assert c.cost == before.cost + cost.mvm(7, 300, 200, spec).with_background(watts)
     assert np.linalg.norm(y - x @ _w(300, 200)) / np.linalg.norm(x @ _w(300, 200)) < 0.15
 
     before = chip.clock.counters
@@ -241,11 +243,12 @@ def test_chip_charges_programming_mvm_and_engine():
     chip.engine("layer_norm", np.ones((4, 100), np.float32))
     c = chip.clock.counters
     assert c.engine_ops == before.engine_ops + 2
-    assert c.cost == before.cost + cost.engine("gelu", 400, spec) + cost.engine("layer_norm", 400, spec)
+    assert c.cost == (before.cost + cost.engine("gelu", 400, spec).with_background(watts)
+                      + cost.engine("layer_norm", 400, spec).with_background(watts))
 
     before = chip.clock.counters
     chip.matmul(np.ones((3, 8, 16), np.float32), np.ones((3, 16, 5), np.float32))
-    assert chip.clock.counters.cost == before.cost + cost.engine_matmul(3, 8, 16, 5, spec)
+    assert chip.clock.counters.cost == before.cost + cost.engine_matmul(3, 8, 16, 5, spec).with_background(watts)
     assert chip.clock.counters.engine_ops == before.engine_ops + 1
 
     before = chip.clock.counters
@@ -253,7 +256,8 @@ def test_chip_charges_programming_mvm_and_engine():
     chip.charge_memory(4096)
     c = chip.clock.counters
     assert (c.host_transfers, c.host_bytes, c.fallback_ops, c.memory_ops) == (2, 1000, 1, 1)
-    assert c.cost == before.cost + cost.host_transfer(1000, spec, 2) + cost.memory(4096, spec)
+    assert c.cost == (before.cost + cost.host_transfer(1000, spec, 2).with_background(watts)
+                      + cost.memory(4096, spec).with_background(watts))
     with pytest.raises(ValueError, match="no op"):
         chip.engine("fft", np.ones(3, np.float32))
 

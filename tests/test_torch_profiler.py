@@ -14,10 +14,11 @@ def _model():
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).to("sidra:0")
 
 
-def test_profiler_totals_equal_the_device_counters(tmp_path):
+@pytest.mark.parametrize("chip", ["int8", "y1"])  # y1 adds background power over busy time
+def test_profiler_totals_equal_the_device_counters(tmp_path, chip):
     m = _model()
     x = torch.randn(4, 32)
-    with sidra_torch.use_chip("int8"):
+    with sidra_torch.use_chip(chip):
         c0 = torch.sidra.counters()
         with sidra_torch.profiler.profile() as prof:
             with torch.profiler.record_function("my_block"):
@@ -28,8 +29,9 @@ def test_profiler_totals_equal_the_device_counters(tmp_path):
     ka = prof.key_averages()
     assert ka.total.latency_s == pytest.approx(c1["busy_s"] - c0["busy_s"], rel=1e-9)
     assert ka.total.energy_j == pytest.approx(c1["energy_j"] - c0["energy_j"], rel=1e-9)
-    for comp in ("array", "adc", "engine", "host", "programming"):
+    for comp in ("array", "adc", "engine", "host", "programming", "background"):
         assert getattr(ka.total, comp) == pytest.approx(c1[f"energy_{comp}_j"] - c0[f"energy_{comp}_j"], rel=1e-9)
+    assert (ka.total.background > 0) == (chip == "y1")
     rows = {s.name: s for s in ka}
     assert rows["sidra::addmm"].where == "crossbar" and rows["sidra::addmm"].calls == 2
     assert rows["sidra::gelu"].where == "engine" and rows["sidra::_to_copy"].where == "host"

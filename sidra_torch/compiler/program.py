@@ -197,11 +197,12 @@ class Plan:
         """Profiler rows: one per device op, the graph's pipelined latency shared by their eager latencies."""
         eager = passes.eager_latency(self.prices) or 1.0
         k = self.cost.latency_s / eager
+        watts = runtime.current_chip().clock.background_w
         t = start
         for p in self.prices:
             c = p.stage.cost
             share = c.latency_s / eager
-            c = type(c)(c.latency_s * k, *c.energies)
+            c = type(c)(c.latency_s * k, *c.energies).with_background(watts)
             prof.records.append(OpRecord(p.name, p.where, c, 0, host_s * share, t))
             t += c.latency_s
 
