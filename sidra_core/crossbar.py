@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -517,6 +518,16 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, s.n)
+
+
+# XLA:CPU removes optimization barriers early ("cse_barrier_expander") and then fuses a crossbar MVM's
+# output (its noise draw, ADC rounding and tile sum) into every consumer, recomputing it there: the next
+# layer's DAC quantisation alone reads it three times. A whole program made of several MVMs (sidra_jax,
+# torch.compile's backend) is compiled with these options and puts a barrier on each crossbar result, so
+# each MVM's result materialises once, as the chip's SRAM buffer holds it. SIDRA_JAX_KEEP_BARRIERS=0
+# compiles with XLA's defaults.
+XLA_COMPILER_OPTIONS = ({"xla_disable_hlo_passes": "cse_barrier_expander"}
+                        if os.environ.get("SIDRA_JAX_KEEP_BARRIERS", "1") != "0" else None)
 
 
 def mvm_kwargs(spec: ChipSpec) -> dict:

@@ -16,6 +16,7 @@ import numpy as np
 
 import sidra_core
 from sidra_core import crossbar, engine
+from sidra_core.crossbar import XLA_COMPILER_OPTIONS
 
 from . import nn as _nn
 from .plan import Lit, Plan
@@ -66,7 +67,7 @@ def _bind(prim, params, vals):
 
 
 def _materialise(y):
-    """A crossbar result is computed once (see COMPILER_OPTIONS), not re-derived inside its consumers."""
+    """A crossbar result is computed once (see sidra_core.crossbar.XLA_COMPILER_OPTIONS), not re-derived inside its consumers."""
     return jax.lax.optimization_barrier(y) if BARRIER_OUTPUTS else y
 
 
@@ -245,28 +246,17 @@ class _Runner:
         return straight_through(device, self._exact_fused(ins), vals, (snaps[ins.wref], seeds[ins.seed]))
 
 
-# XLA:CPU removes optimization barriers early ("cse_barrier_expander") and then fuses a crossbar MVM's
-# output (its noise draw, ADC rounding and tile sum) into every consumer, recomputing it there: the next
-# layer's DAC quantisation alone reads it three times. Keeping the barriers (sidra_core's own one around the
-# noise draw, and one on each crossbar result) makes each MVM's result materialise once, as the
-# chip's SRAM buffer holds it. Set SIDRA_JAX_KEEP_BARRIERS=0 to compile with XLA's defaults.
-import os as _os
-
-COMPILER_OPTIONS = ({"xla_disable_hlo_passes": "cse_barrier_expander"}
-                    if _os.environ.get("SIDRA_JAX_KEEP_BARRIERS", "1") != "0" else None)
-
-
 class Executor:
     """The jitted function (snapshots, seeds, leaves, consts) -> flat outputs of one plan.
 
-    Called at top level, it is compiled with COMPILER_OPTIONS; under an outer transformation
+    Called at top level, it is compiled with XLA_COMPILER_OPTIONS; under an outer transformation
     (jax.grad, an outer jit) it is a nested jit, which cannot carry compiler options.
     """
 
     def __init__(self, plan: Plan, spec):
         runner = _Runner(plan, spec)
-        self.top = jax.jit(runner, compiler_options=COMPILER_OPTIONS)
-        self.nested = jax.jit(runner) if COMPILER_OPTIONS else self.top
+        self.top = jax.jit(runner, compiler_options=XLA_COMPILER_OPTIONS)
+        self.nested = jax.jit(runner) if XLA_COMPILER_OPTIONS else self.top
 
     def __call__(self, snaps, seeds, leaves, consts, traced: bool = False):
         return (self.nested if traced else self.top)(snaps, seeds, leaves, consts)

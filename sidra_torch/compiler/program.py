@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch._decomp import decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from sidra_core import crossbar
 from sidra_core.conv import weight_matrix as conv_weight_matrix
 from sidra_core.report import OpRecord
 
@@ -119,7 +120,7 @@ class Plan:
 
         seg.live_inputs = inputs
         seg.xbars = xbars
-        return jax.jit(fn)
+        return jax.jit(fn, compiler_options=crossbar.XLA_COMPILER_OPTIONS)
 
     # -- running ------------------------------------------------------------------
 
