@@ -311,9 +311,10 @@ class CompiledGraph:
         for a, name in zip(example_inputs, self.names):
             if isinstance(a, _t.SidraTensor) and weight_base(a) is a:
                 a.__dict__.setdefault("_sidra_weight", name)
-        # capture and check now, so errors surface at compile time (dynamo passes the sizes it
-        # made dynamic as SymInts: their example values specialise this first plan)
-        self.plan([a.node.hint if isinstance(a, torch.SymInt) else a for a in example_inputs])
+        # capture and check now, so errors surface at compile time (dynamo passes the sizes and
+        # scalars it made dynamic as symbols: their example values specialise this first plan)
+        self.plan([a.node.hint if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) else a
+                   for a in example_inputs])
 
     def plan(self, args) -> Plan:
         key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
