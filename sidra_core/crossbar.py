@@ -17,6 +17,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from . import rng
@@ -459,15 +460,6 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
 # The MVM kernel.
 
 
-def _sum_tiles(p):
-    """Digital accumulation over the tile axis. Unrolled adds: XLA:CPU reduces a
-    leading axis ~30x slower than it adds slices element-wise."""
-    acc = p[0]
-    for i in range(1, p.shape[0]):
-        acc = acc + p[i]
-    return acc
-
-
 @partial(jax.jit, static_argnames=("dac_bits", "adc_bits"))
 def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, adc_bits: int = 8):
     """y = x @ W (+ bias) as the crossbar computes it, for x of shape (..., K).
@@ -484,34 +476,37 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     lead = x.shape[:-1]
     if x.shape[-1] != s.k:
         raise ValueError(f"mvm input has {x.shape[-1]} features but the weight has K = {s.k}")
-    grid_k = snap.w.shape[0]
+    if snap.var is not None and seed is None:
+        raise ValueError("this chip has read noise: mvm() needs a noise seed")
+    grid_k, n_pad = snap.w.shape[0], snap.w.shape[2]
     x2 = x.reshape(-1, s.k).astype(jnp.float32)
     if dac_bits is not None:
         x2, xscale = quantise_rows(x2, dac_bits)
     else:
         xscale = None
     x2 = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
-    # Tile-major layout (tile, row, k): a batched matmul over tiles with the batch
-    # dimension first is as fast as one plain matmul on XLA:CPU.
-    xt = jnp.swapaxes(x2.reshape(x2.shape[0], grid_k, s.rows), 0, 1)
-    p = jnp.matmul(xt, snap.w)  # (tile, row, Np): analog partial sums of every tile
-    if snap.var is not None:
-        if seed is None:
-            raise ValueError("this chip has read noise: mvm() needs a noise seed")
-        # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
-        # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
-        var = jnp.matmul((xt * xt).astype(jnp.bfloat16), snap.var, preferred_element_type=jnp.float32)
-        std = jnp.sqrt(var)
-        # Barrier: without it XLA fuses the noise draw into each consumer of p (ADC, tile sum)
-        # and recomputes it there, ~3x slower.
-        p = jax.lax.optimization_barrier(p + std * rng.normal_array(seed, p.shape))
-    if snap.lsb is not None:
-        qmax = float(2 ** (adc_bits - 1) - 1)
-        lsb = snap.lsb[:, None, :]
-        p = jnp.clip(jnp.round(p / lsb), -qmax, qmax) * lsb
-    if snap.gain is not None:
-        p = p * snap.gain[:, None, :]
-    y = _sum_tiles(p)
+    rows = x2.shape[0]
+    qmax = float(2 ** (adc_bits - 1) - 1)
+    # One tile after another (unrolled): each tile's partial sums, noise, ADC and accumulation
+    # form one chain with a single consumer, which XLA fuses into one pass over the outputs
+    # instead of materialising every tile's noisy sums (~40 % faster than a batched layout).
+    y = None
+    for i in range(grid_k):
+        xi = x2[:, i * s.rows:(i + 1) * s.rows]
+        p = xi @ snap.w[i]  # the tile's analog partial sums
+        if snap.var is not None:
+            # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
+            # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
+            var = jnp.matmul((xi * xi).astype(jnp.bfloat16), snap.var[i], preferred_element_type=jnp.float32)
+            # Counters (tile, row, column) in row-major order: each read draws fresh normals.
+            counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i * rows * n_pad)
+            p = p + jnp.sqrt(var) * rng.normal(seed, counters)
+        if snap.lsb is not None:
+            lsb = snap.lsb[i]
+            p = jnp.clip(jnp.round(p / lsb), -qmax, qmax) * lsb
+        if snap.gain is not None:
+            p = p * snap.gain[i]
+        y = p if y is None else y + p  # digital accumulation of the tiles
     if xscale is not None:
         y = y * xscale
     y = y * snap.scale

@@ -100,10 +100,3 @@ def normal_pair(seed, counter):
     root2 = jnp.float32(1.4142135623730951)
     return root2 * _erfinv(u1), root2 * _erfinv(u2)
 
-
-def normal_array(seed, shape):
-    """A fresh array of standard normals, counters 0..size-1."""
-    size = 1
-    for s in shape:
-        size *= s
-    return normal(seed, lax.iota(jnp.uint32, size)).reshape(shape)

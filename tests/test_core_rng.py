@@ -1,4 +1,4 @@
-"""Counter-based random numbers: distribution and independence of rng.normal_array / rng.uniform."""
+"""Counter-based random numbers: distribution and independence of rng.normal / rng.uniform."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ N = 200_000
 
 
 def _normal(seed, n=N):
-    return np.asarray(rng.normal_array(jnp.uint32(seed), (n,)), np.float64)
+    return np.asarray(rng.normal(jnp.uint32(seed), jnp.arange(n, dtype=jnp.uint32)), np.float64)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 0xFFFFFFFF])
@@ -34,11 +34,11 @@ def test_normal_moments_and_ks(seed):
 
 
 def test_normal_shape_and_determinism():
-    a = np.asarray(rng.normal_array(jnp.uint32(7), (3, 4, 5)))
+    a = np.asarray(rng.normal(jnp.uint32(7), jnp.arange(60, dtype=jnp.uint32).reshape(3, 4, 5)))
     assert a.shape == (3, 4, 5) and a.dtype == np.float32
-    np.testing.assert_array_equal(a, np.asarray(rng.normal_array(jnp.uint32(7), (3, 4, 5))))
+    np.testing.assert_array_equal(a, np.asarray(rng.normal(jnp.uint32(7), jnp.arange(60, dtype=jnp.uint32).reshape(3, 4, 5))))
     # counters 0..size-1: the same draws whatever the shape
-    np.testing.assert_array_equal(a.ravel(), np.asarray(rng.normal_array(jnp.uint32(7), (60,))))
+    np.testing.assert_array_equal(a.ravel(), np.asarray(rng.normal(jnp.uint32(7), jnp.arange(60, dtype=jnp.uint32))))
 
 
 @pytest.mark.parametrize("pair", [(0, 1), (1, 2), (5, 5 ^ 1), (0, 1 << 31), (123, 124)])
