@@ -30,7 +30,7 @@ from timing import median_time
 import sidra_core
 import sidra_jax as sj
 import sidra_jax.nn as snn
-from sidra_jax.execute import COMPILER_OPTIONS
+from sidra_core.crossbar import XLA_COMPILER_OPTIONS
 
 
 def mlp(p, x):
@@ -77,7 +77,7 @@ def _kernels_only(f, prog, x, chip):
             n_rows = ins.counts["tile_reads"] // sidra_core.tile_grid(k, ins.meta["wref"].n, chip.spec).tiles
             xs.append(jnp.asarray(np.random.default_rng(0).standard_normal((n_rows, k)).astype(np.float32)))
 
-    @partial(jax.jit, compiler_options=COMPILER_OPTIONS)  # compiled as sidra_jax compiles its programs
+    @partial(jax.jit, compiler_options=XLA_COMPILER_OPTIONS)  # compiled as sidra_jax compiles its programs
     def run(snaps, xs, seeds):
         return [sidra_core.crossbar.mvm(snaps[w], x, seeds[i], **kw) for i, ((w, _), x) in enumerate(zip(shapes, xs))]
 

@@ -460,6 +460,17 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
 # The MVM kernel.
 
 
+def _adc(p, lsb, gain, qmax: float, tile_axis: bool = False):
+    """Each tile column's ADC (step `lsb`, +-qmax codes) and drift-compensation gain, if any."""
+    expand = (lambda a: a[:, None, :]) if tile_axis else (lambda a: a)
+    if lsb is not None:
+        lsb = expand(lsb)
+        p = jnp.clip(jnp.round(p / lsb), -qmax, qmax) * lsb
+    if gain is not None:
+        p = p * expand(gain)
+    return p
+
+
 @partial(jax.jit, static_argnames=("dac_bits", "adc_bits"))
 def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, adc_bits: int = 8):
     """y = x @ W (+ bias) as the crossbar computes it, for x of shape (..., K).
@@ -487,26 +498,30 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     x2 = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
     rows = x2.shape[0]
     qmax = float(2 ** (adc_bits - 1) - 1)
-    # One tile after another (unrolled): each tile's partial sums, noise, ADC and accumulation
-    # form one chain with a single consumer, which XLA fuses into one pass over the outputs
-    # instead of materialising every tile's noisy sums (~40 % faster than a batched layout).
-    y = None
-    for i in range(grid_k):
-        xi = x2[:, i * s.rows:(i + 1) * s.rows]
-        p = xi @ snap.w[i]  # the tile's analog partial sums
-        if snap.var is not None:
+    if snap.var is None:
+        # No read noise: one batched matmul over the tiles in a tile-major layout (tile, row, k),
+        # as fast on XLA:CPU as one plain matmul, then every tile's ADC and the digital sum.
+        xt = jnp.swapaxes(x2.reshape(rows, grid_k, s.rows), 0, 1)
+        p = _adc(jnp.matmul(xt, snap.w), snap.lsb, snap.gain, qmax, tile_axis=True)
+        y = p[0]
+        for i in range(1, grid_k):  # unrolled: XLA:CPU reduces a leading axis ~30x slower
+            y = y + p[i]
+    else:
+        # Read noise: one tile after another (unrolled), so each tile's partial sums, noise, ADC
+        # and accumulation form one chain with a single consumer, which XLA fuses into one pass
+        # instead of materialising every tile's noisy sums (~40 % faster than batched).
+        y = None
+        for i in range(grid_k):
+            xi = x2[:, i * s.rows:(i + 1) * s.rows]
+            p = xi @ snap.w[i]  # the tile's analog partial sums
             # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
             # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
             var = jnp.matmul((xi * xi).astype(jnp.bfloat16), snap.var[i], preferred_element_type=jnp.float32)
             # Counters (tile, row, column) in row-major order: each read draws fresh normals.
             counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i * rows * n_pad)
-            p = p + jnp.sqrt(var) * rng.normal(seed, counters)
-        if snap.lsb is not None:
-            lsb = snap.lsb[i]
-            p = jnp.clip(jnp.round(p / lsb), -qmax, qmax) * lsb
-        if snap.gain is not None:
-            p = p * snap.gain[i]
-        y = p if y is None else y + p  # digital accumulation of the tiles
+            p = _adc(p + jnp.sqrt(var) * rng.normal(seed, counters),
+                     None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
+            y = p if y is None else y + p  # digital accumulation of the tiles
     if xscale is not None:
         y = y * xscale
     y = y * snap.scale
