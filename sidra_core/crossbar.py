@@ -495,12 +495,12 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         x2, xscale = quantise_rows(x2, dac_bits)
     else:
         xscale = None
-    x2 = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
     rows = x2.shape[0]
     qmax = float(2 ** (adc_bits - 1) - 1)
     if snap.var is None:
         # No read noise: one batched matmul over the tiles in a tile-major layout (tile, row, k),
         # as fast on XLA:CPU as one plain matmul, then every tile's ADC and the digital sum.
+        x2 = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
         xt = jnp.swapaxes(x2.reshape(rows, grid_k, s.rows), 0, 1)
         p = _adc(jnp.matmul(xt, snap.w), snap.lsb, snap.gain, qmax, tile_axis=True)
         y = p[0]
@@ -510,13 +510,15 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         # Read noise: one tile after another (unrolled), so each tile's partial sums, noise, ADC
         # and accumulation form one chain with a single consumer, which XLA fuses into one pass
         # instead of materialising every tile's noisy sums (~40 % faster than batched).
+        # The last tile's unused word lines (K not a multiple of the tile) carry zero inputs: skipped.
         y = None
         for i in range(grid_k):
-            xi = x2[:, i * s.rows:(i + 1) * s.rows]
-            p = xi @ snap.w[i]  # the tile's analog partial sums
+            used = min(s.rows, s.k - i * s.rows)
+            xi = x2[:, i * s.rows:i * s.rows + used]
+            p = xi @ snap.w[i, :used]  # the tile's analog partial sums
             # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
             # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
-            var = jnp.matmul((xi * xi).astype(jnp.bfloat16), snap.var[i], preferred_element_type=jnp.float32)
+            var = jnp.matmul((xi * xi).astype(jnp.bfloat16), snap.var[i, :used], preferred_element_type=jnp.float32)
             # Counters (tile, row, column) in row-major order: each read draws fresh normals.
             counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i * rows * n_pad)
             p = _adc(p + jnp.sqrt(var) * rng.normal(seed, counters),
