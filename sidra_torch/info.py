@@ -61,5 +61,6 @@ def run(args) -> int:
     c = spec.cost
     console.print(f"Cost model: tile MVM {c.tile_mvm_s * 1e9:.0f} ns, array {c.array_pj_per_mac} pJ/MAC, "
                   f"ADC {c.adc_pj} pJ/conversion, engine {spec.engine.ops_per_s / 1e12:.1f} TOPS, "
-                  f"host link {spec.memory.host_bw / 1e9:.0f} GB/s")
+                  f"host link {spec.memory.host_bw / 1e9:.0f} GB/s, programming pulse {c.pulse_s * 1e9:.0f} ns, "
+                  f"background power {c.background_w:g} W while busy")
     return 0

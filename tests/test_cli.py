@@ -12,6 +12,10 @@ def test_sidra_info(capsys, restore_chip):
     out = capsys.readouterr().out
     for word in ("Device properties", "tiles_per_chip", "ideal", "int8", "y1", "Cost model"):
         assert word in out
+    flat = lambda text: " ".join(text.split())  # noqa: E731  (rich wraps long lines)
+    assert "background power 0 W" in flat(out)  # int8 has none; y1's is calibrated
+    assert cli.main(["info", "--chip", "y1"]) == 0
+    assert "background power 2.9 W while busy" in flat(capsys.readouterr().out)
 
 
 def test_sidra_demo_quick(capsys, restore_chip):
