@@ -124,23 +124,26 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
     # A stuck cell never moves, so write-verify pulses it until it gives up.
     give_up = failed[stuck[failed]]
     out_pulses[give_up] = n.max_pulses
-    # Active set: indices into the flat arrays, with the per-cell loop state.
+    # Active set: indices into the flat arrays and the cells' own compacted state (contiguous:
+    # each round compacts these small arrays instead of gathering from the full ones), written
+    # back once a cell is done.
     idx = failed[~stuck[failed]]
-    ramp_n = np.zeros(idx.size, np.int32)
-    last_dir = np.zeros(idx.size, np.int8)
-    pulses = np.zeros(idx.size, np.int32)
+    state = [u[idx], target[idx], np.zeros(idx.size, np.int32), np.zeros(idx.size, np.int8),
+             np.zeros(idx.size, np.int32), cell_ids[idx]]  # u, target, ramp_n, last_dir, pulses, ids
 
     def chunk(u_, tgt, rn, ld, pl, dn, ids):
         return _pulse_chunk(u_, tgt, rn, ld, pl, dn, ids, seed_u, params)
 
     while idx.size:
+        u_a, tgt, ramp_n, last_dir, pulses, ids = state
         nu, nramp, ndir, npulses, ndone = map_blocks(
-            chunk, [u[idx], target[idx], ramp_n, last_dir, pulses, np.zeros(idx.size, bool), cell_ids[idx]],
-            [0, 0, 0, 0, 0, True, 0])
-        u[idx] = nu
-        out_pulses[idx] = npulses
+            chunk, [u_a, tgt, ramp_n, last_dir, pulses, np.zeros(idx.size, bool), ids], [0, 0, 0, 0, 0, True, 0])
+        fin = idx[ndone]
+        u[fin] = nu[ndone]
+        out_pulses[fin] = npulses[ndone]
         keep = ~ndone
-        idx, ramp_n, last_dir, pulses = idx[keep], nramp[keep], ndir[keep], npulses[keep]
+        idx = idx[keep]
+        state = [nu[keep], tgt[keep], nramp[keep], ndir[keep], npulses[keep], ids[keep]]
     moved = np.flatnonzero((out_pulses > 0) & ~stuck)
     if spec.noise.prog_relax_sigma > 0 and moved.size:
         relax_seed = np.uint32(rng.seed32(seed, 0x4E1A))
