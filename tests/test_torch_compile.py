@@ -236,6 +236,17 @@ def test_repeated_shapes_reuse_the_plan_and_many_shapes_warn(int8):
         program.Plan.__init__ = build
 
 
+def test_a_compiled_model_follows_the_chip_in_use(restore_chip):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(D)
+    compiled = torch.compile(model, backend="sidra")
+    x = torch.randn(5, 16).to(D)
+    with torch.no_grad():
+        for chip in ("int8", "ideal", "int8"):
+            with sidra_torch.use_chip(chip):
+                assert max_abs_diff(compiled(x), model(x)) <= 1e-6, chip
+
+
 def test_backend_is_registered_by_entry_point():
     assert "sidra" in {e.name for e in entry_points(group="torch_dynamo_backends")}
     assert "sidra" in torch._dynamo.list_backends()

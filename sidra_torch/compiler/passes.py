@@ -272,6 +272,7 @@ class MappingReport:
     weights: tuple[WeightMapping, ...]
     tiles_total: int
     tiles_free: int
+    cells_per_tile: int = 256 * 256
 
     @property
     def tiles_used(self) -> int:
@@ -280,9 +281,7 @@ class MappingReport:
     @property
     def utilisation(self) -> float:
         cells = sum(w.k * w.n for w in self.weights)
-        return cells / max(sum(w.tiles for w in self.weights), 1) / self._cells_per_tile if self.weights else 0.0
-
-    _cells_per_tile: int = 256 * 256
+        return cells / max(self.tiles_used, 1) / self.cells_per_tile if self.weights else 0.0
 
     @property
     def fits(self) -> bool:
@@ -304,9 +303,14 @@ def crossbar_nodes(gm) -> list:
     for n in gm.graph.nodes:
         if n.meta.get("sidra_where") != "crossbar":
             continue
-        inner = n.meta.get("sidra_fused")
-        out.extend(m for m in inner if "sidra_crossbar" in m.meta) if inner else out.append(n)
+        out.extend(crossbars_in(n))
     return out
+
+
+def crossbars_in(n) -> list:
+    """The crossbar node itself, or the MVM inside a fused node."""
+    inner = n.meta.get("sidra_fused")
+    return [m for m in inner if "sidra_crossbar" in m.meta] if inner else [n]
 
 
 def crossbar_shape(n) -> tuple[int, int]:
@@ -332,7 +336,7 @@ def crossbar_mapping(gm, names: list[str], chip) -> MappingReport:
         g = tile_grid(k, nn, spec)
         out.append(WeightMapping(names[use.weight], k, nn, g.tiles, k * nn / (g.tiles * spec.cells_per_tile)))
     return MappingReport(tuple(out), chip.tiles_total, chip.tiles_total - chip.tiles_in_use,
-                         _cells_per_tile=spec.cells_per_tile)
+                         cells_per_tile=spec.cells_per_tile)
 
 
 # ---------------------------------------------------------------------------

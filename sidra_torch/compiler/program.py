@@ -106,7 +106,8 @@ class Plan:
 
     def _jit(self, seg: passes.Segment):
         inputs = [a for a in seg.inputs if a not in self._dead]
-        xbars = sorted({self._xbar_index[m] for n in seg.nodes for m in _crossbars_in(n) if m in self._xbar_index})
+        xbars = sorted({self._xbar_index[m] for n in seg.nodes for m in passes.crossbars_in(n)
+                        if m in self._xbar_index})
         local = {x: i for i, x in enumerate(xbars)}
         spec, index = self.spec, self._xbar_index
         nodes = [n for n in seg.nodes if n not in self._dead]
@@ -237,11 +238,6 @@ class _Ctx:
         return TABLE[n.target].fn(self, n, *args, **kwargs)
 
 
-def _crossbars_in(n):
-    inner = n.meta.get("sidra_fused")
-    return [m for m in inner if "sidra_crossbar" in m.meta] if inner else [n]
-
-
 def _weight_operands_only(gm) -> set:
     """Nodes whose values nothing needs: views of weights read only as crossbar operands
     (the crossbar reads its programmed tiles, not the tensor)."""
@@ -317,7 +313,9 @@ class CompiledGraph:
                    for a in example_inputs])
 
     def plan(self, args) -> Plan:
-        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        # a plan is lowered for one chip (its precision, converters, noise) and one input signature
+        key = (runtime.current_chip().spec,
+               *((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
         p = self.plans.get(key)
         if p is None:
             p = self.plans[key] = Plan(self.gm, list(args), self.names)
