@@ -27,6 +27,7 @@ import torch.utils.backend_registration as _br
 from . import device_module
 from . import runtime as _runtime
 from . import tensor as _t
+from .dispatch import nbytes
 
 _LOCK = threading.Lock()
 _REGISTERED = False
@@ -70,14 +71,8 @@ def _new_on_device(out):
     """A factory result: count it against device memory, price writing it, wrap it."""
     _t.track_new(out)
     if not _runtime.unpriced():
-        _runtime.current_chip().charge_memory(_nbytes(out), "sram")
+        _runtime.current_chip().charge_memory(nbytes(out), "sram")
     return _t._wrap_out(out)
-
-
-def _nbytes(out) -> int:
-    if isinstance(out, torch.Tensor):
-        return out.numel() * out.element_size()
-    return sum(_nbytes(o) for o in out) if isinstance(out, (tuple, list)) else 0
 
 
 def _factory(op, args, _uargs, kwargs):

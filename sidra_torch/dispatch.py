@@ -36,7 +36,7 @@ from .weights import resident, weight_base
 
 aten = torch.ops.aten
 
-_CHIP_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+CHIP_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _warned_dtypes: set = set()
 
 
@@ -57,11 +57,12 @@ def _to_torch(a, dtype=torch.float32) -> torch.Tensor:
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def _nbytes(x) -> int:
+def nbytes(x) -> int:
+    """Bytes of a tensor, or of the tensors in a (nested) list or tuple."""
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     if isinstance(x, (list, tuple)):
-        return sum(_nbytes(v) for v in x)
+        return sum(nbytes(v) for v in x)
     return 0
 
 
@@ -82,7 +83,7 @@ def _float_dtype(uargs) -> torch.dtype | None:
 
 def _unsupported_dtype(uargs) -> bool:
     d = _float_dtype(uargs)
-    if d is None or d in _CHIP_FLOATS:
+    if d is None or d in CHIP_FLOATS:
         return False
     if d not in _warned_dtypes:
         _warned_dtypes.add(d)
@@ -102,7 +103,7 @@ def host(func, args, uargs, ukwargs):
     """Run on the host CPU: the inputs go over the host link, the result comes back."""
     out = func._op(*uargs, **ukwargs)
     chip = runtime.current_chip()
-    chip.charge_host(_nbytes(uargs) + _nbytes(ukwargs.values()) + _nbytes(out), transfers=2, fallback=True)
+    chip.charge_host(nbytes(uargs) + nbytes(ukwargs.values()) + nbytes(out), transfers=2, fallback=True)
     return out
 
 
@@ -420,7 +421,7 @@ def memory(func, args, uargs, ukwargs):
     weights (embedding tables) come from DRAM, activations move in the SRAM buffers."""
     out = func._op(*uargs, **ukwargs)
     level = "dram" if any(weight_base(a) is not None for a in args[:2]) else "sram"
-    runtime.current_chip().charge_memory(_nbytes(out), level)
+    runtime.current_chip().charge_memory(nbytes(out), level)
     return out
 
 

@@ -23,12 +23,10 @@ from sidra_core import cost, graph_cost, tile_grid
 from sidra_core.cost import ZERO, Cost
 from sidra_core.graph_cost import Stage
 
+from ..dispatch import CHIP_FLOATS, nbytes
 from .lowering import TABLE, out_dtype
 
 aten = torch.ops.aten
-
-_CHIP_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
 
 @dataclass(frozen=True)
 class CrossbarUse:
@@ -45,14 +43,6 @@ class CrossbarUse:
 
 def _meta(n):
     return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
-def _nbytes(v) -> int:
-    if isinstance(v, torch.Tensor):
-        return v.numel() * v.element_size()
-    if isinstance(v, (list, tuple)):
-        return sum(_nbytes(x) for x in v)
-    return 0
 
 
 def _numel(v) -> int:
@@ -94,7 +84,7 @@ def _chip_dtypes_ok(n) -> bool:
     for a in [*n.args, *n.kwargs.values()]:
         for x in a if isinstance(a, (list, tuple)) else [a]:
             v = _meta(x)
-            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and v.dtype not in _CHIP_FLOATS:
+            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and v.dtype not in CHIP_FLOATS:
                 return False
     return True
 
@@ -400,7 +390,7 @@ def _price_node(n, spec) -> OpPrice | None:
                        {"engine_ops": 1})
     if where == "memory":
         level = "dram" if any(_weight_of(a) is not None for a in n.args[:2]) else "sram"
-        return OpPrice(name, "memory", Stage(cost.memory(_nbytes(out), spec, level)), {"memory_ops": 1})
+        return OpPrice(name, "memory", Stage(cost.memory(nbytes(out), spec, level)), {"memory_ops": 1})
     return None
 
 
