@@ -30,7 +30,7 @@ from timing import median_time
 import sidra_core
 import sidra_jax as sj
 import sidra_jax.nn as snn
-from sidra_core.crossbar import XLA_COMPILER_OPTIONS
+from sidra_core.host import XLA_COMPILER_OPTIONS
 
 
 def mlp(p, x):

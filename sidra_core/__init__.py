@@ -4,16 +4,10 @@ Physics and cost live here and only here; `sidra_torch` and `sidra_jax`
 translate framework operations into calls of these kernels.
 """
 
-import os as _os
+from . import host as _host
 
-import jax as _jax
-
-# Compiled kernels persist across processes (the first forward of a model compiles
-# one MVM per layer shape): a user's own cache setting wins; SIDRA_JAX_CACHE=0 disables.
-_cache_dir = _os.environ.get("SIDRA_JAX_CACHE", _os.path.join(_os.path.expanduser("~"), ".cache", "sidra", "jax"))
-if _cache_dir != "0" and not _jax.config.jax_compilation_cache_dir:
-    _jax.config.update("jax_compilation_cache_dir", _cache_dir)
-    _jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+_host.use_compilation_cache()
+_host.keep_freed_memory()
 
 from . import cost, engine, rng  # noqa: E402
 from .clock import Counters, DeviceClock  # noqa: E402

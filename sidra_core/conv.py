@@ -8,13 +8,13 @@ blocks are cells at G_min, exactly as a naive group mapping would program them.
 
 from __future__ import annotations
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import host
 from .crossbar import Snapshot, mvm
 
 
@@ -40,7 +40,7 @@ def _norm(v, nd: int, name: str) -> tuple[int, ...]:
     return v
 
 
-@partial(jax.jit, static_argnames=("kernel", "stride", "padding", "dilation", "dac_bits", "adc_bits"))
+@host.jit(static_argnames=("kernel", "stride", "padding", "dilation", "dac_bits", "adc_bits"))
 def conv(snap: Snapshot, x, seed=None, bias=None, *, kernel, stride, padding, dilation, dac_bits=8, adc_bits=8):
     """N-d convolution (x: (N, C_in, *spatial)) as crossbar MVMs over im2col patches."""
     patches = lax.conv_general_dilated_patches(

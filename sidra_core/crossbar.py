@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from . import rng
+from . import host, rng
 from .blocks import map_blocks
 from .ispp import program_cells
 from .mapping import TileGrid, tile_grid
@@ -28,13 +27,14 @@ from .quant import QMAX, QuantisedWeight, from_int8, quantise_rows, quantise_wei
 from .spec import ChipSpec
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["k", "n", "rows", "cols"])
+@partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["k", "n", "rows", "cols", "terms"])
 @dataclass(frozen=True)
 class _Shape:
     k: int
     n: int
     rows: int
     cols: int
+    terms: int = 0  # how Snapshot.w holds the weights: 0 float32, 1 exact bfloat16, 2 bfloat16 pairs
 
 
 @dataclass(frozen=True)
@@ -379,6 +379,9 @@ class Snapshot:
     """The array as a read sees it at one device time, in code units, laid out per tile.
 
     `w` (grid_k, rows, Np) is (G+ - G-)/dG including drift and IR drop,
+    in float32, or, when the DAC makes every input an integer code that
+    bfloat16 holds exactly, in bfloat16: exactly (INT8 codes without drift)
+    or as interleaved (hi, lo) row pairs, (grid_k, 2 rows, Np) (see `_split`);
     `var` the per-cell read-noise variance in the same units, `lsb` the ADC
     step of each tile column, `gain` the drift-compensation gain per tile
     column, `scale` the weight scale per output column.
@@ -390,6 +393,29 @@ class Snapshot:
     gain: jax.Array | None
     scale: jax.Array
     shape: _Shape
+
+    def weights(self) -> jax.Array:
+        """The array's weights in code units as float32, (grid_k, rows, N)."""
+        w = self.w.astype(jnp.float32)
+        if self.shape.terms == 2:
+            w = w.reshape(w.shape[0], -1, 2, w.shape[-1]).sum(axis=2)
+        return w
+
+    def partial_sums(self, x, tile: int | None = None, used: int | None = None):
+        """Analog partial sums x @ w in float32: of one tile (x: rows x used word lines, the first
+        `used` of the tile) or, with `tile` None, of every tile (x: grid_k x rows x tile rows)."""
+        t = self.shape.terms
+        w = self.w if tile is None else self.w[tile, :max(t, 1) * (self.shape.rows if used is None else used)]
+        if t == 0:
+            return jnp.matmul(x, w)
+        # bf16 x bf16 products are exact in the fp32 accumulator and x is an exact bf16 (an integer
+        # code below 2^9), so an exact bf16 w, or a (hi, lo) pair summed by the same dot over x
+        # repeated per pair, gives the float32 product to ~3e-6 relative (far below programming
+        # error and read noise) at twice the speed of an fp32 matmul on a CPU with bf16 dot units.
+        xb = x.astype(jnp.bfloat16)
+        if t == 2:
+            xb = jnp.repeat(xb, 2, axis=-1)
+        return jnp.matmul(xb, w, preferred_element_type=jnp.float32)
 
 
 def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
@@ -449,11 +475,26 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         now = _tile_norms(gp, gm, grid)
         per_tile = np.where(now > 0, state.ref_norm / now, 1.0).astype(np.float32)
         gain = np.repeat(per_tile, grid.cols, axis=1)[:, :n]
+    w, terms = _split(w, spec)
     return Snapshot(
-        w=jnp.asarray(w, jnp.float32), var=None if var is None else jnp.asarray(var, jnp.bfloat16),
+        w=w, var=None if var is None else jnp.asarray(var, jnp.bfloat16),
         lsb=None if lsb is None else jnp.asarray(lsb), gain=None if gain is None else jnp.asarray(gain),
-        scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols),
+        scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms),
     )
+
+
+def _split(w: np.ndarray, spec: ChipSpec):
+    """The weights as float32, or in bfloat16 when the DAC's integer codes are exact bfloat16
+    (<= 9 bits): as they are if bfloat16 holds them exactly (INT8 codes without drift or IR
+    drop), else as rows of (hi, lo) with hi + lo = w to 2^-17 relative. Returns (w, terms)."""
+    wj = jnp.asarray(w, jnp.float32)
+    if not (spec.dac.enabled and spec.dac.bits <= 9):
+        return wj, 0
+    hi = wj.astype(jnp.bfloat16)
+    lo = (wj - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    if not bool(jnp.any(lo != 0)):
+        return hi, 1
+    return jnp.stack([hi, lo], axis=2).reshape(w.shape[0], 2 * w.shape[1], w.shape[2]), 2
 
 
 # ---------------------------------------------------------------------------
@@ -471,7 +512,7 @@ def _adc(p, lsb, gain, qmax: float, tile_axis: bool = False):
     return p
 
 
-@partial(jax.jit, static_argnames=("dac_bits", "adc_bits"))
+@host.jit(static_argnames=("dac_bits", "adc_bits"))
 def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, adc_bits: int = 8):
     """y = x @ W (+ bias) as the crossbar computes it, for x of shape (..., K).
 
@@ -497,32 +538,34 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         xscale = None
     rows = x2.shape[0]
     qmax = float(2 ** (adc_bits - 1) - 1)
-    if snap.var is None:
-        # No read noise: one batched matmul over the tiles in a tile-major layout (tile, row, k),
-        # as fast on XLA:CPU as one plain matmul, then every tile's ADC and the digital sum.
+    if snap.var is None and s.terms == 0:
+        # Float weights without read noise: one batched matmul over the tiles in a tile-major layout
+        # (tile, row, k), as fast on XLA:CPU as one plain fp32 matmul, then every tile's ADC and the sum.
         x2 = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
         xt = jnp.swapaxes(x2.reshape(rows, grid_k, s.rows), 0, 1)
-        p = _adc(jnp.matmul(xt, snap.w), snap.lsb, snap.gain, qmax, tile_axis=True)
+        p = _adc(snap.partial_sums(xt), snap.lsb, snap.gain, qmax, tile_axis=True)
         y = p[0]
         for i in range(1, grid_k):  # unrolled: XLA:CPU reduces a leading axis ~30x slower
             y = y + p[i]
     else:
-        # Read noise: one tile after another (unrolled), so each tile's partial sums, noise, ADC
-        # and accumulation form one chain with a single consumer, which XLA fuses into one pass
-        # instead of materialising every tile's noisy sums (~40 % faster than batched).
-        # The last tile's unused word lines (K not a multiple of the tile) carry zero inputs: skipped.
+        # One tile after another (unrolled; XLA:CPU's batched bf16 matmul is ~2x slower than
+        # separate ones), so each tile's partial sums, noise, ADC and accumulation form one chain
+        # with a single consumer, which XLA fuses into one pass instead of materialising every
+        # tile's noisy sums (~40 % faster than batched). The last tile's unused word lines
+        # (K not a multiple of the tile) carry zero inputs: skipped.
         y = None
         for i in range(grid_k):
             used = min(s.rows, s.k - i * s.rows)
             xi = x2[:, i * s.rows:i * s.rows + used]
-            p = xi @ snap.w[i, :used]  # the tile's analog partial sums
-            # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
-            # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
-            var = jnp.matmul((xi * xi).astype(jnp.bfloat16), snap.var[i, :used], preferred_element_type=jnp.float32)
-            # Counters (tile, row, column) in row-major order: each read draws fresh normals.
-            counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i * rows * n_pad)
-            p = _adc(p + jnp.sqrt(var) * rng.normal(seed, counters),
-                     None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
+            p = snap.partial_sums(xi, i, used)  # the tile's analog partial sums
+            if snap.var is not None:
+                # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
+                # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
+                var = jnp.matmul((xi * xi).astype(jnp.bfloat16), snap.var[i, :used], preferred_element_type=jnp.float32)
+                # Counters (tile, row, column) in row-major order: each read draws fresh normals.
+                counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i * rows * n_pad)
+                p = p + jnp.sqrt(var) * rng.normal(seed, counters)
+            p = _adc(p, None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
             y = p if y is None else y + p  # digital accumulation of the tiles
     if xscale is not None:
         y = y * xscale
@@ -530,16 +573,6 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, s.n)
-
-
-# XLA:CPU removes optimization barriers early ("cse_barrier_expander") and then fuses a crossbar MVM's
-# output (its noise draw, ADC rounding and tile sum) into every consumer, recomputing it there: the next
-# layer's DAC quantisation alone reads it three times. A whole program made of several MVMs (sidra_jax,
-# torch.compile's backend) is compiled with these options and puts a barrier on each crossbar result, so
-# each MVM's result materialises once, as the chip's SRAM buffer holds it. SIDRA_JAX_KEEP_BARRIERS=0
-# compiles with XLA's defaults.
-XLA_COMPILER_OPTIONS = ({"xla_disable_hlo_passes": "cse_barrier_expander"}
-                        if os.environ.get("SIDRA_JAX_KEEP_BARRIERS", "1") != "0" else None)
 
 
 def mvm_kwargs(spec: ChipSpec) -> dict:
@@ -562,6 +595,6 @@ def clipped_fraction(snap: Snapshot, x, spec: ChipSpec) -> float:
     if spec.dac.enabled:
         x2, _ = quantise_rows(x2, spec.dac.bits)
     x2 = jnp.pad(x2, ((0, 0), (0, snap.w.shape[0] * s.rows - s.k)))
-    p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], snap.w.shape[0], s.rows), 0, 1), snap.w)
+    p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], snap.w.shape[0], s.rows), 0, 1), snap.weights())
     qmax = 2 ** (spec.adc.bits - 1) - 1
     return float(jnp.mean(jnp.abs(p / snap.lsb[:, None, :]) > qmax + 0.5))

@@ -16,7 +16,7 @@ import numpy as np
 
 import sidra_core
 from sidra_core import crossbar, engine
-from sidra_core.crossbar import XLA_COMPILER_OPTIONS
+from sidra_core.host import XLA_COMPILER_OPTIONS
 
 from . import nn as _nn
 from .plan import Lit, Plan
@@ -67,7 +67,7 @@ def _bind(prim, params, vals):
 
 
 def _materialise(y):
-    """A crossbar result is computed once (see sidra_core.crossbar.XLA_COMPILER_OPTIONS), not re-derived inside its consumers."""
+    """A crossbar result is computed once (see sidra_core.host.XLA_COMPILER_OPTIONS), not re-derived inside its consumers."""
     return jax.lax.optimization_barrier(y) if BARRIER_OUTPUTS else y
 
 

@@ -66,7 +66,7 @@ def test_ideal_programs_weights_exactly():
     w = _rand((300, 270), 0)
     st = sc.program(w, IDEAL)
     snap = sc.snapshot(st, 0.0, IDEAL)
-    wk = np.asarray(snap.w).reshape(-1, snap.w.shape[-1])[:300, :270]
+    wk = np.asarray(snap.weights()).reshape(-1, snap.w.shape[-1])[:300, :270]
     np.testing.assert_array_equal(wk, w)
     assert snap.var is None and snap.lsb is None and snap.gain is None
 
@@ -447,8 +447,8 @@ def test_ir_drop_attenuates():
     w = np.random.default_rng(21).uniform(0.5, 1.0, (k, n)).astype(np.float32)  # heavy columns: large IR drop
     st = sc.program(w, ir, seed=8)
     s_ir, s_0 = sc.snapshot(st, 0.0, ir), sc.snapshot(st, 0.0, no_ir)
-    w_ir = np.asarray(s_ir.w, np.float64)[..., :n].reshape(k, n)
-    w_0 = np.asarray(s_0.w, np.float64)[..., :n].reshape(k, n)
+    w_ir = np.asarray(s_ir.weights(), np.float64)[..., :n].reshape(k, n)
+    w_0 = np.asarray(s_0.weights(), np.float64)[..., :n].reshape(k, n)
     big = np.abs(w_0) > 20
     assert big.mean() > 0.9
     r = np.where(big, w_ir / np.where(big, w_0, 1), 1.0)

@@ -388,7 +388,7 @@ def _engine_matmul(ctx, a, b):
 def _mvm(ctx, node, x, bias=None):
     snap, seed = ctx.crossbar(node)
     y = crossbar.mvm(snap, _f32(x), seed, None if bias is None else _f32(bias), **crossbar.mvm_kwargs(ctx.spec))
-    return jax.lax.optimization_barrier(y)  # computed once (see crossbar.XLA_COMPILER_OPTIONS)
+    return jax.lax.optimization_barrier(y)  # computed once (see host.XLA_COMPILER_OPTIONS)
 
 
 @_reg(aten.bmm.default, "matmul")

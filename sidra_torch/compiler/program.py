@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch._decomp import decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sidra_core import crossbar
+from sidra_core import crossbar, host
 from sidra_core.conv import weight_matrix as conv_weight_matrix
 from sidra_core.report import OpRecord
 
@@ -121,7 +121,7 @@ class Plan:
 
         seg.live_inputs = inputs
         seg.xbars = xbars
-        return jax.jit(fn, compiler_options=crossbar.XLA_COMPILER_OPTIONS)
+        return jax.jit(fn, compiler_options=host.XLA_COMPILER_OPTIONS)
 
     # -- running ------------------------------------------------------------------
 
