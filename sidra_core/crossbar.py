@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -319,47 +320,59 @@ def _pair_targets(codes, target_w, state: ProgrammedWeight, spec: ChipSpec):
     return tp, tm
 
 
+def _merge(old: np.ndarray, new, hit: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
+    """`old` with the written cells replaced by `new` (a value per cell of the selection, or a
+    scalar); `hit` marks the written cells among the selection `sel` (flat indices; None: all)."""
+    if sel is None:
+        return np.where(hit.reshape(old.shape), np.reshape(new, old.shape) if np.ndim(new) else new, old).astype(old.dtype, copy=False)
+    out = old.copy()
+    out.ravel()[sel[hit]] = new[hit] if np.ndim(new) else new
+    return out
+
+
+# The two planes of a weight are written at once: most of a plane's host work (NumPy compaction
+# and scatter) releases the GIL, so the planes overlap on two cores (~1.4x on one BERT layer).
+_PLANES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sidra-plane")
+
+
 def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=None) -> ProgrammedWeight:
     """Write-verify the cells selected by `changed` (all cells when None) of both planes,
     starting from `start` (the present conductances; default the stored ones)."""
-    tp, tm = _pair_targets(codes, target_w, state, spec)
-    new = {}
-    report = ProgrammingReport(0, 0, 0, 0, 0)
-    for i, (plane, target) in enumerate((("plus", tp), ("minus", tm))):
-        sel = None if changed is None else changed[i]
-        g = getattr(state, f"g_{plane}").copy()
-        g_start = g if start is None else start[i]
-        t_prog = getattr(state, f"t_prog_{plane}").copy()
-        stuck = getattr(state, f"stuck_{plane}")
-        nu = getattr(state, f"nu_{plane}").copy()
-        writes = getattr(state, f"writes_{plane}").copy()
+    targets = _pair_targets(codes, target_w, state, spec)
+
+    def plane(i: int):
+        name = ("plus", "minus")[i]
+        sel = None if changed is None else np.flatnonzero(changed[i])
         # All cells (fresh programming) are taken as flat views; a selection by fancy indexing.
-        pick = (lambda a: a.ravel()) if sel is None else (lambda a, f=np.flatnonzero(sel): a.ravel()[f])
-        flat = np.arange(g.size) if sel is None else np.flatnonzero(sel)
-        plane_seed = rng.seed32(seed, 0xCE11, i)
-        g0 = pick(g_start)
+        pick = (lambda a: a.ravel()) if sel is None else (lambda a: a.ravel()[sel])
+        g_old = getattr(state, f"g_{name}")
+        stuck = getattr(state, f"stuck_{name}")
+        g0 = pick(g_old if start is None else start[i])
         if target_w is None:
-            res = program_cells(g0, pick(target), pick(stuck) != 0, pick(ids), spec, plane_seed)
-            pulses = res.pulses
-            g_new = res.g
+            res = program_cells(g0, pick(targets[i]), pick(stuck) != 0, pick(ids), spec, rng.seed32(seed, 0xCE11, i))
+            pulses, g_new = res.pulses, res.g
         else:  # float (ideal) mode: the weight is written exactly, one pulse per changed cell
-            pulses = (g0 != pick(target)).astype(np.int32)
-            g_new = pick(target)
+            pulses = (g0 != pick(targets[i])).astype(np.int32)
+            g_new = pick(targets[i])
         hit = pulses > 0
-        written = flat[hit]
-        writes.ravel()[written] += pulses[hit]
-        # Written cells hold their new G and restart drift with a fresh exponent; the
-        # others keep their programmed G, exponent and programming time.
-        g.ravel()[written] = g_new[hit]
-        t_prog.ravel()[written] = t_now
-        nu.ravel()[written] = _nu(ids.ravel()[written], i, rng.seed32(seed, 0xD21F7), spec)
+        # Written cells hold their new G and restart drift with a fresh exponent (a stuck cell
+        # does not drift); the others keep their programmed G, exponent and programming time.
+        writes = getattr(state, f"writes_{name}")
+        writes = writes + pulses.reshape(writes.shape) if sel is None else _merge(writes, writes.ravel()[sel] + pulses, hit, sel)
+        nu = _merge(getattr(state, f"nu_{name}"), _nu(pick(ids), i, rng.seed32(seed, 0xD21F7), spec), hit, sel)
         nu[stuck != 0] = 0.0
-        new[f"g_{plane}"], new[f"nu_{plane}"], new[f"writes_{plane}"], new[f"t_prog_{plane}"] = g, nu, writes, t_prog
-        report = report + ProgrammingReport(
-            cells_written=int(written.size), pulses=int(pulses.sum(dtype=np.int64)),
+        # Fresh programming: program_cells already returns every cell's G (the unwritten ones unchanged).
+        g = g_new.reshape(g_old.shape) if sel is None and start is None else _merge(g_old, g_new, hit, sel)
+        fields = {f"g_{name}": g, f"nu_{name}": nu, f"writes_{name}": writes,
+                  f"t_prog_{name}": _merge(getattr(state, f"t_prog_{name}"), np.float32(t_now), hit, sel)}
+        return fields, ProgrammingReport(
+            cells_written=int(np.count_nonzero(hit)), pulses=int(pulses.sum(dtype=np.int64)),
             max_pulses_cell=int(pulses.max(initial=0)), max_writes_cell=int(writes.max(initial=0)),
             endurance_exceeded=int((writes > spec.ispp.endurance).sum()),
         )
+
+    (new_p, rep_p), (new_m, rep_m) = _PLANES.map(plane, (0, 1))
+    new, report = {**new_p, **new_m}, rep_p + rep_m
     grid = state.grid
     return dataclasses.replace(
         state, codes=codes, target_w=target_w, **new,
