@@ -391,17 +391,18 @@ def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=Non
 class Snapshot:
     """The array as a read sees it at one device time, in code units, laid out per tile.
 
-    `w` (grid_k, rows, Np) is (G+ - G-)/dG including drift and IR drop,
-    in float32, or, when the DAC makes every input an integer code that
-    bfloat16 holds exactly, in bfloat16: exactly (INT8 codes without drift)
-    or as interleaved (hi, lo) row pairs, (grid_k, 2 rows, Np) (see `_split`);
-    `var` the per-cell read-noise variance in the same units, `lsb` the ADC
+    `w` holds each tile's (G+ - G-)/dG including drift and IR drop, (rows, N)
+    per tile, in float32, or, when the DAC makes every input an integer code
+    that bfloat16 holds exactly, in bfloat16: exactly (INT8 codes without
+    drift) or as interleaved (hi, lo) row pairs, (2 rows, N) (see `_split`);
+    one array per tile, as XLA:CPU copies a slice of a stacked array before
+    each matmul (~20 % of an MVM); `var` each tile's per-cell read-noise variance in the same units, `lsb` the ADC
     step of each tile column, `gain` the drift-compensation gain per tile
     column, `scale` the weight scale per output column.
     """
 
-    w: jax.Array
-    var: jax.Array | None
+    w: tuple[jax.Array, ...]
+    var: tuple[jax.Array, ...] | None
     lsb: jax.Array | None
     gain: jax.Array | None
     scale: jax.Array
@@ -409,16 +410,15 @@ class Snapshot:
 
     def weights(self) -> jax.Array:
         """The array's weights in code units as float32, (grid_k, rows, N)."""
-        w = self.w.astype(jnp.float32)
+        w = jnp.stack(self.w).astype(jnp.float32)
         if self.shape.terms == 2:
             w = w.reshape(w.shape[0], -1, 2, w.shape[-1]).sum(axis=2)
         return w
 
-    def partial_sums(self, x, tile: int | None = None, used: int | None = None):
-        """Analog partial sums x @ w in float32: of one tile (x: rows x used word lines, the first
-        `used` of the tile) or, with `tile` None, of every tile (x: grid_k x rows x tile rows)."""
+    def partial_sums(self, x, tile: int, used: int):
+        """Analog partial sums x @ w in float32 of one tile, x: (rows, used) for its first `used` word lines."""
         t = self.shape.terms
-        w = self.w if tile is None else self.w[tile, :max(t, 1) * (self.shape.rows if used is None else used)]
+        w = self.w[tile][:max(t, 1) * used]
         if t == 0:
             return jnp.matmul(x, w)
         # bf16 x bf16 products are exact in the fp32 accumulator and x is an exact bf16 (an integer
@@ -490,7 +490,7 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         gain = np.repeat(per_tile, grid.cols, axis=1)[:, :n]
     w, terms = _split(w, spec)
     return Snapshot(
-        w=w, var=None if var is None else jnp.asarray(var, jnp.bfloat16),
+        w=tuple(w), var=None if var is None else tuple(jnp.asarray(var, jnp.bfloat16)),
         lsb=None if lsb is None else jnp.asarray(lsb), gain=None if gain is None else jnp.asarray(gain),
         scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms),
     )
@@ -514,14 +514,12 @@ def _split(w: np.ndarray, spec: ChipSpec):
 # The MVM kernel.
 
 
-def _adc(p, lsb, gain, qmax: float, tile_axis: bool = False):
+def _adc(p, lsb, gain, qmax: float):
     """Each tile column's ADC (step `lsb`, +-qmax codes) and drift-compensation gain, if any."""
-    expand = (lambda a: a[:, None, :]) if tile_axis else (lambda a: a)
     if lsb is not None:
-        lsb = expand(lsb)
         p = jnp.clip(jnp.round(p / lsb), -qmax, qmax) * lsb
     if gain is not None:
-        p = p * expand(gain)
+        p = p * gain
     return p
 
 
@@ -543,7 +541,7 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         raise ValueError(f"mvm input has {x.shape[-1]} features but the weight has K = {s.k}")
     if snap.var is not None and seed is None:
         raise ValueError("this chip has read noise: mvm() needs a noise seed")
-    grid_k, n_pad = snap.w.shape[0], snap.w.shape[2]
+    grid_k, n_pad = len(snap.w), snap.w[0].shape[-1]
     x2 = x.reshape(-1, s.k).astype(jnp.float32)
     if dac_bits is not None:
         x2, xscale = quantise_rows(x2, dac_bits)
@@ -551,35 +549,25 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         xscale = None
     rows = x2.shape[0]
     qmax = float(2 ** (adc_bits - 1) - 1)
-    if snap.var is None and s.terms == 0:
-        # Float weights without read noise: one batched matmul over the tiles in a tile-major layout
-        # (tile, row, k), as fast on XLA:CPU as one plain fp32 matmul, then every tile's ADC and the sum.
-        x2 = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
-        xt = jnp.swapaxes(x2.reshape(rows, grid_k, s.rows), 0, 1)
-        p = _adc(snap.partial_sums(xt), snap.lsb, snap.gain, qmax, tile_axis=True)
-        y = p[0]
-        for i in range(1, grid_k):  # unrolled: XLA:CPU reduces a leading axis ~30x slower
-            y = y + p[i]
-    else:
-        # One tile after another (unrolled; XLA:CPU's batched bf16 matmul is ~2x slower than
-        # separate ones), so each tile's partial sums, noise, ADC and accumulation form one chain
-        # with a single consumer, which XLA fuses into one pass instead of materialising every
-        # tile's noisy sums (~40 % faster than batched). The last tile's unused word lines
-        # (K not a multiple of the tile) carry zero inputs: skipped.
-        y = None
-        for i in range(grid_k):
-            used = min(s.rows, s.k - i * s.rows)
-            xi = x2[:, i * s.rows:i * s.rows + used]
-            p = snap.partial_sums(xi, i, used)  # the tile's analog partial sums
-            if snap.var is not None:
-                # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
-                # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
-                var = jnp.matmul((xi * xi).astype(jnp.bfloat16), snap.var[i, :used], preferred_element_type=jnp.float32)
-                # Counters (tile, row, column) in row-major order: each read draws fresh normals.
-                counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i * rows * n_pad)
-                p = p + jnp.sqrt(var) * rng.normal(seed, counters)
-            p = _adc(p, None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
-            y = p if y is None else y + p  # digital accumulation of the tiles
+    # One tile after another (unrolled; XLA:CPU's batched matmul is ~2x slower than separate
+    # ones), so each tile's partial sums, noise, ADC and accumulation form one chain with a single
+    # consumer, which XLA fuses into one pass instead of materialising every tile's noisy sums
+    # (~40 % faster than batched). The last tile's unused word lines (K not a multiple of the
+    # tile) carry zero inputs: skipped.
+    y = None
+    for i in range(grid_k):
+        used = min(s.rows, s.k - i * s.rows)
+        xi = x2[:, i * s.rows:i * s.rows + used]
+        p = snap.partial_sums(xi, i, used)  # the tile's analog partial sums
+        if snap.var is not None:
+            # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
+            # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
+            var = jnp.matmul((xi * xi).astype(jnp.bfloat16), snap.var[i][:used], preferred_element_type=jnp.float32)
+            # Counters (tile, row, column) in row-major order: each read draws fresh normals.
+            counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i * rows * n_pad)
+            p = p + jnp.sqrt(var) * rng.normal(seed, counters)
+        p = _adc(p, None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
+        y = p if y is None else y + p  # digital accumulation of the tiles
     if xscale is not None:
         y = y * xscale
     y = y * snap.scale
@@ -607,7 +595,7 @@ def clipped_fraction(snap: Snapshot, x, spec: ChipSpec) -> float:
     x2 = jnp.asarray(x, jnp.float32).reshape(-1, s.k)
     if spec.dac.enabled:
         x2, _ = quantise_rows(x2, spec.dac.bits)
-    x2 = jnp.pad(x2, ((0, 0), (0, snap.w.shape[0] * s.rows - s.k)))
-    p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], snap.w.shape[0], s.rows), 0, 1), snap.weights())
+    x2 = jnp.pad(x2, ((0, 0), (0, len(snap.w) * s.rows - s.k)))
+    p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], len(snap.w), s.rows), 0, 1), snap.weights())
     qmax = 2 ** (spec.adc.bits - 1) - 1
     return float(jnp.mean(jnp.abs(p / snap.lsb[:, None, :]) > qmax + 0.5))
