@@ -28,7 +28,7 @@ from .quant import QMAX, QuantisedWeight, from_int8, quantise_rows, quantise_wei
 from .spec import ChipSpec
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["k", "n", "rows", "cols", "terms"])
+@partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["k", "n", "rows", "cols", "terms", "narrow"])
 @dataclass(frozen=True)
 class _Shape:
     k: int
@@ -36,6 +36,11 @@ class _Shape:
     rows: int
     cols: int
     terms: int = 0  # how Snapshot.w holds the weights: 0 float32, 1 exact bfloat16, 2 bfloat16 pairs
+    narrow: bool = False  # the tiles are held as one block-diagonal array (see _NARROW)
+
+    @property
+    def grid_k(self) -> int:
+        return -(-self.k // self.rows)
 
 
 @dataclass(frozen=True)
@@ -396,7 +401,8 @@ class Snapshot:
     that bfloat16 holds exactly, in bfloat16: exactly (INT8 codes without
     drift) or as interleaved (hi, lo) row pairs, (2 rows, N) (see `_split`);
     one array per tile, as XLA:CPU copies a slice of a stacked array before
-    each matmul (~20 % of an MVM); `var` each tile's per-cell read-noise variance in the same units, `lsb` the ADC
+    each matmul (~20 % of an MVM), or for a narrow weight one block-diagonal
+    array of all tiles (see _NARROW); `var` the per-cell read-noise variance in the same units, `lsb` the ADC
     step of each tile column, `gain` the drift-compensation gain per tile
     column, `scale` the weight scale per output column.
     """
@@ -410,10 +416,18 @@ class Snapshot:
 
     def weights(self) -> jax.Array:
         """The array's weights in code units as float32, (grid_k, rows, N)."""
-        w = jnp.stack(self.w).astype(jnp.float32)
+        w = self.tiles(self.w).astype(jnp.float32)
         if self.shape.terms == 2:
             w = w.reshape(w.shape[0], -1, 2, w.shape[-1]).sum(axis=2)
         return w
+
+    def tiles(self, blocks) -> jax.Array:
+        """Per-tile arrays (grid_k, rows (x terms), N) from the stored blocks (`w` or `var`)."""
+        if not self.shape.narrow:
+            return jnp.stack(blocks)
+        bd, gk, n = blocks[0], self.shape.grid_k, self.shape.n
+        r = bd.shape[0] // gk
+        return jnp.stack([bd[i * r:(i + 1) * r, i * n:(i + 1) * n] for i in range(gk)])
 
     def partial_sums(self, x, tile: int, used: int):
         """Analog partial sums x @ w in float32 of one tile, x: (rows, used) for its first `used` word lines."""
@@ -488,12 +502,32 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         now = _tile_norms(gp, gm, grid)
         per_tile = np.where(now > 0, state.ref_norm / now, 1.0).astype(np.float32)
         gain = np.repeat(per_tile, grid.cols, axis=1)[:, :n]
+    narrow = 1 < grid.grid_k and grid.grid_k * n <= _NARROW
+    if narrow:
+        w = _block_diagonal(w)[None]
+        var = None if var is None else _block_diagonal(var)[None]
     w, terms = _split(w, spec)
     return Snapshot(
         w=tuple(w), var=None if var is None else tuple(jnp.asarray(var, jnp.bfloat16)),
         lsb=None if lsb is None else jnp.asarray(lsb), gain=None if gain is None else jnp.asarray(gain),
-        scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms),
+        scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, narrow),
     )
+
+
+# A weight with several tiles along K but few columns (a classifier head: 1024 x 10 is 4 tiles of
+# 10 columns) pays XLA:CPU's fixed cost per matmul (~0.1 ms) on every tile for a few kFLOP each.
+# Held as one block-diagonal array (tile i's rows meet column block i), one matmul gives every
+# tile's partial sums at once; the zero blocks add exact zeros. Used while grid_k x N <= _NARROW.
+_NARROW = 512
+
+
+def _block_diagonal(a: np.ndarray) -> np.ndarray:
+    """(grid_k, rows, N) tiles -> (grid_k rows, grid_k N) with the tiles on the diagonal."""
+    gk, r, n = a.shape
+    out = np.zeros((gk * r, gk * n), a.dtype)
+    for i in range(gk):
+        out[i * r:(i + 1) * r, i * n:(i + 1) * n] = a[i]
+    return out
 
 
 def _split(w: np.ndarray, spec: ChipSpec):
@@ -523,6 +557,13 @@ def _adc(p, lsb, gain, qmax: float):
     return p
 
 
+def _variance(x, var):
+    """Read-noise variance of each partial sum, sum_i x_i^2 sigma_i^2. It only sets the noise
+    amplitude: bf16 operands (x^2 and sigma^2 to 0.4 %) with an fp32 accumulator give the std
+    to ~0.1 % at 2.5x the speed."""
+    return jnp.matmul((x * x).astype(jnp.bfloat16), var, preferred_element_type=jnp.float32)
+
+
 @host.jit(static_argnames=("dac_bits", "adc_bits"))
 def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, adc_bits: int = 8):
     """y = x @ W (+ bias) as the crossbar computes it, for x of shape (..., K).
@@ -541,7 +582,7 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         raise ValueError(f"mvm input has {x.shape[-1]} features but the weight has K = {s.k}")
     if snap.var is not None and seed is None:
         raise ValueError("this chip has read noise: mvm() needs a noise seed")
-    grid_k, n_pad = len(snap.w), snap.w[0].shape[-1]
+    grid_k, n_pad = s.grid_k, s.n
     x2 = x.reshape(-1, s.k).astype(jnp.float32)
     if dac_bits is not None:
         x2, xscale = quantise_rows(x2, dac_bits)
@@ -549,6 +590,10 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         xscale = None
     rows = x2.shape[0]
     qmax = float(2 ** (adc_bits - 1) - 1)
+    if s.narrow:  # every tile's partial sums and noise variances from one block-diagonal matmul each
+        xp = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
+        p_all = snap.partial_sums(xp, 0, grid_k * s.rows)
+        v_all = None if snap.var is None else _variance(xp, snap.var[0])
     # One tile after another (unrolled; XLA:CPU's batched matmul is ~2x slower than separate
     # ones), so each tile's partial sums, noise, ADC and accumulation form one chain with a single
     # consumer, which XLA fuses into one pass instead of materialising every tile's noisy sums
@@ -558,11 +603,11 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     for i in range(grid_k):
         used = min(s.rows, s.k - i * s.rows)
         xi = x2[:, i * s.rows:i * s.rows + used]
-        p = snap.partial_sums(xi, i, used)  # the tile's analog partial sums
+        cols = slice(i * n_pad, (i + 1) * n_pad)
+        # the tile's analog partial sums
+        p = p_all[:, cols] if s.narrow else snap.partial_sums(xi, i, used)
         if snap.var is not None:
-            # The variance only sets the noise amplitude: bf16 operands (x^2 and sigma^2 to
-            # 0.4 %) with an fp32 accumulator give the std to ~0.1 % at 2.5x the speed.
-            var = jnp.matmul((xi * xi).astype(jnp.bfloat16), snap.var[i][:used], preferred_element_type=jnp.float32)
+            var = v_all[:, cols] if s.narrow else _variance(xi, snap.var[i][:used])
             # Counters (tile, row, column) in row-major order: each read draws fresh normals.
             counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i * rows * n_pad)
             p = p + jnp.sqrt(var) * rng.normal(seed, counters)
@@ -595,7 +640,7 @@ def clipped_fraction(snap: Snapshot, x, spec: ChipSpec) -> float:
     x2 = jnp.asarray(x, jnp.float32).reshape(-1, s.k)
     if spec.dac.enabled:
         x2, _ = quantise_rows(x2, spec.dac.bits)
-    x2 = jnp.pad(x2, ((0, 0), (0, len(snap.w) * s.rows - s.k)))
-    p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], len(snap.w), s.rows), 0, 1), snap.weights())
+    x2 = jnp.pad(x2, ((0, 0), (0, s.grid_k * s.rows - s.k)))
+    p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], s.grid_k, s.rows), 0, 1), snap.weights())
     qmax = 2 ** (spec.adc.bits - 1) - 1
     return float(jnp.mean(jnp.abs(p / snap.lsb[:, None, :]) > qmax + 0.5))

@@ -61,13 +61,14 @@ def from_int8(codes, scale) -> QuantisedWeight:
     return QuantisedWeight(codes=codes, scale=scale)
 
 
-def quantise_rows(x, bits: int):
+def quantise_rows(x, bits: int, axis: int = -1):
     """Dynamic per-row symmetric quantisation of activations (traceable).
 
     Returns the integer-valued float codes and the per-row scale, so that
-    `codes * scale ~= x`; an all-zero row gets scale 1.
+    `codes * scale ~= x`; an all-zero row gets scale 1. A row runs along
+    `axis` (-2: per column of a matrix).
     """
     qmax = float(2 ** (bits - 1) - 1)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)
     return jnp.clip(jnp.round(x / scale), -qmax, qmax), scale

@@ -66,7 +66,7 @@ def test_ideal_programs_weights_exactly():
     w = _rand((300, 270), 0)
     st = sc.program(w, IDEAL)
     snap = sc.snapshot(st, 0.0, IDEAL)
-    wk = np.asarray(snap.weights()).reshape(-1, snap.w[0].shape[-1])[:300, :270]
+    wk = np.asarray(snap.weights()).reshape(-1, snap.shape.n)[:300, :270]
     np.testing.assert_array_equal(wk, w)
     assert snap.var is None and snap.lsb is None and snap.gain is None
 
@@ -231,7 +231,7 @@ def test_read_noise_variance_matches_sum_x2_sigma2():
     det = np.asarray(sc.mvm(dataclasses.replace(snap, var=None), xj, None, None, **kw), np.float64)  # noise-free
     # expected variance: (xs s_j)^2 sum_i q_i^2 var_ij, var in code units from the snapshot
     q, xs = (np.asarray(a, np.float64) for a in quantise_rows(x, 8))
-    var = np.stack(snap.var).astype(np.float64)[..., :n]  # (tile, row, column)
+    var = np.asarray(snap.tiles(snap.var), np.float64)[..., :n]  # (tile, row, column)
     gk, r = var.shape[:2]
     qp = np.zeros((rows, gk * r))
     qp[:, :k] = q
