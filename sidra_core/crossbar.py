@@ -399,7 +399,7 @@ class Snapshot:
     `w` holds each tile's (G+ - G-)/dG including drift and IR drop, (rows, N)
     per tile, in float32, or, when the DAC makes every input an integer code
     that bfloat16 holds exactly, in bfloat16: exactly (INT8 codes without
-    drift) or as interleaved (hi, lo) row pairs, (2 rows, N) (see `_split`);
+    drift) or as interleaved (hi, lo) row pairs, (2 rows, N) (see `_device_tiles`);
     one array per tile, as XLA:CPU copies a slice of a stacked array before
     each matmul (~20 % of an MVM), or for a narrow weight one block-diagonal
     array of all tiles (see _NARROW); `var` the per-cell read-noise variance in the same units, `lsb` the ADC
@@ -450,19 +450,16 @@ def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
     n = spec.noise
     if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
         return state.g_plus, state.g_minus
-    return (_drift(state.g_plus, state.nu_plus, state.t_prog_plus, t_now, n.drift_t0),
-            _drift(state.g_minus, state.nu_minus, state.t_prog_minus, t_now, n.drift_t0))
-
-
-def _drift(g, nu, t_prog, t_now, t0):
-    age = np.maximum(np.float32(t_now) - t_prog, 0.0)
-    t0 = np.float32(t0)
-    return map_blocks(lambda a, b, c: _drift_kernel(a, b, c, t0), [g, nu, age], [0, 0, 0])[0]
+    now, t0 = np.float32(t_now), np.float32(n.drift_t0)
+    arrays = [state.g_plus, state.g_minus, state.nu_plus, state.nu_minus, state.t_prog_plus, state.t_prog_minus]
+    return tuple(map_blocks(lambda *a: _drift_kernel(*a, now, t0), arrays, [0] * 6))
 
 
 @jax.jit
-def _drift_kernel(g, nu, age, t0):
-    return g * jnp.exp(-nu * jnp.log1p(age / t0))
+def _drift_kernel(gp, gm, nu_p, nu_m, t_prog_p, t_prog_m, now, t0):
+    def drift(g, nu, t_prog):
+        return g * jnp.exp(-nu * jnp.log1p(jnp.maximum(now - t_prog, 0.0) / t0))
+    return drift(gp, nu_p, t_prog_p), drift(gm, nu_m, t_prog_m)
 
 
 def _ir_factor(spec: ChipSpec, gp: np.ndarray, gm: np.ndarray, grid: TileGrid) -> np.ndarray:
@@ -502,13 +499,16 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         now = _tile_norms(gp, gm, grid)
         per_tile = np.where(now > 0, state.ref_norm / now, 1.0).astype(np.float32)
         gain = np.repeat(per_tile, grid.cols, axis=1)[:, :n]
-    narrow = 1 < grid.grid_k and grid.grid_k * n <= _NARROW
+    split = spec.dac.enabled and spec.dac.bits <= 9
+    # (float32 weights stay per tile: the ideal chip's results keep their float32 rounding)
+    narrow = split and 1 < grid.grid_k and grid.grid_k * n <= _NARROW
     if narrow:
         w = _block_diagonal(w)[None]
         var = None if var is None else _block_diagonal(var)[None]
-    w, terms = _split(w, spec)
+    hi, pair, var, has_lo = _device_tiles(w, var, split)
+    terms = 0 if not split else 2 if bool(has_lo) else 1
     return Snapshot(
-        w=tuple(w), var=None if var is None else tuple(jnp.asarray(var, jnp.bfloat16)),
+        w=pair if terms == 2 else hi, var=var,
         lsb=None if lsb is None else jnp.asarray(lsb), gain=None if gain is None else jnp.asarray(gain),
         scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, narrow),
     )
@@ -530,18 +530,21 @@ def _block_diagonal(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _split(w: np.ndarray, spec: ChipSpec):
-    """The weights as float32, or in bfloat16 when the DAC's integer codes are exact bfloat16
-    (<= 9 bits): as they are if bfloat16 holds them exactly (INT8 codes without drift or IR
-    drop), else as rows of (hi, lo) with hi + lo = w to 2^-17 relative. Returns (w, terms)."""
-    wj = jnp.asarray(w, jnp.float32)
-    if not (spec.dac.enabled and spec.dac.bits <= 9):
-        return wj, 0
-    hi = wj.astype(jnp.bfloat16)
-    lo = (wj - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    if not bool(jnp.any(lo != 0)):
-        return hi, 1
-    return jnp.stack([hi, lo], axis=2).reshape(w.shape[0], 2 * w.shape[1], w.shape[2]), 2
+@partial(jax.jit, static_argnames=("split",))
+def _device_tiles(w, var, split: bool):
+    """One device array per tile of the weights (grid_k, rows, N) and variances (bfloat16).
+
+    With `split` (the DAC's integer codes are exact bfloat16, <= 9 bits) the weights are
+    bfloat16: as they are (`hi`) if that holds them exactly (INT8 codes without drift or IR
+    drop; `has_lo` false), else as rows of (hi, lo) pairs with hi + lo = w to 2^-17 relative.
+    """
+    var = None if var is None else tuple(var.astype(jnp.bfloat16))
+    if not split:
+        return tuple(w), None, var, False
+    hi = w.astype(jnp.bfloat16)
+    lo = (w - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    pair = jnp.stack([hi, lo], axis=2).reshape(w.shape[0], 2 * w.shape[1], w.shape[2])
+    return tuple(hi), tuple(pair), var, jnp.any(lo != 0)
 
 
 # ---------------------------------------------------------------------------
