@@ -9,7 +9,6 @@ blocks are cells at G_min, exactly as a naive group mapping would program them.
 from __future__ import annotations
 
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

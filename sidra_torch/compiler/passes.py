@@ -24,7 +24,7 @@ from sidra_core.cost import ZERO, Cost
 from sidra_core.graph_cost import Stage
 
 from ..dispatch import CHIP_FLOATS, nbytes
-from .lowering import TABLE, out_dtype
+from .lowering import TABLE
 
 aten = torch.ops.aten
 

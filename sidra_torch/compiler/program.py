@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch._decomp import decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sidra_core import crossbar, host
+from sidra_core import host
 from sidra_core.conv import weight_matrix as conv_weight_matrix
 from sidra_core.report import OpRecord
 
@@ -30,7 +30,7 @@ from .. import runtime
 from .. import tensor as _t
 from ..weights import _version, programmed_on, resident, weight_base
 from . import passes
-from .lowering import TABLE, jnp_dtype
+from .lowering import TABLE
 
 aten = torch.ops.aten
 
