@@ -92,11 +92,14 @@ def _io(precision: str):
     return "fp16" if precision == "int8" else precision
 
 
-@partial(jax.jit, static_argnames=("axis", "precision"))
-def softmax(x, axis: int = -1, precision: str = "fp32"):
-    """Softmax with max subtraction; exponentials and the sum in fp32."""
-    x = _round(x, _io(precision))
-    return _round(jax.nn.softmax(x, axis=axis), _io(precision))
+@partial(jax.jit, static_argnames=("axis", "precision", "safe"))
+def softmax(x, axis: int = -1, precision: str = "fp32", safe: bool = False):
+    """Softmax with max subtraction; exponentials and the sum in fp32. `safe`: a row that is
+    -inf throughout (fully masked attention) gives zeros instead of NaN."""
+    y = _round(jax.nn.softmax(_round(x, _io(precision)), axis=axis), _io(precision))
+    if safe:
+        y = jnp.where(jnp.all(jnp.isneginf(x), axis=axis, keepdims=True), 0.0, y)
+    return y
 
 
 @partial(jax.jit, static_argnames=("axis", "precision"))
@@ -105,20 +108,22 @@ def log_softmax(x, axis: int = -1, precision: str = "fp32"):
     return _round(jax.nn.log_softmax(x, axis=axis), _io(precision))
 
 
-@partial(jax.jit, static_argnames=("ndim", "precision"))
-def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, ndim: int = 1, precision: str = "fp32"):
-    """Layer norm over the last `ndim` axes; statistics in fp32."""
+@partial(jax.jit, static_argnames=("ndim", "precision", "stats"))
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, ndim: int = 1, precision: str = "fp32", stats: bool = False):
+    """Layer norm over the last `ndim` axes; statistics in fp32. With `stats` also the mean and
+    1/std (kept dims), which autograd saves for the backward pass."""
     p = _io(precision)
     x = _round(x, p)
     axes = tuple(range(x.ndim - ndim, x.ndim))
     mean = jnp.mean(x, axis=axes, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + eps)
+    rstd = jax.lax.rsqrt(var + eps)
+    y = (x - mean) * rstd
     if weight is not None:
         y = y * weight
     if bias is not None:
         y = y + bias
-    return _round(y, p)
+    return (_round(y, p), mean, rstd) if stats else _round(y, p)
 
 
 @partial(jax.jit, static_argnames=("ndim", "precision"))

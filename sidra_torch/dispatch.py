@@ -328,7 +328,7 @@ def layer_norm_whole(func, args, uargs, ukwargs):
     """layer_norm (whole under inference_mode): (x, normalized_shape, weight, bias, eps, cudnn_enable)."""
     names = ("weight", "bias", "eps")
     vals = [uargs[2 + i] if len(uargs) > 2 + i else ukwargs.get(n, d) for i, (n, d) in enumerate(zip(names, (None, None, 1e-5)))]
-    return layer_norm(func, args, [uargs[0], uargs[1], *vals], {})[0]
+    return _layer_norm(uargs[0], uargs[1], *vals, stats=False)
 
 
 def batch_norm_whole(func, args, uargs, ukwargs):
@@ -350,24 +350,24 @@ def dropout(func, args, uargs, ukwargs):
 def safe_softmax(func, args, uargs, ukwargs):
     """softmax where fully masked rows give 0 (the sdpa math path)."""
     x, dim = uargs[0], int(uargs[1])
-    out = _engine_op("softmax", x, axis=dim)
-    masked = torch.isneginf(x).all(dim=dim, keepdim=True)
-    out = out.masked_fill(masked, 0.0)
+    out = _engine_op("softmax", x, axis=dim, safe=True)
     dtype = ukwargs.get("dtype", uargs[2] if len(uargs) > 2 else None)
     return out if dtype is None else out.to(dtype)
 
 
 def layer_norm(func, args, uargs, ukwargs):
-    x, shape, w, b, eps = uargs[:5]
-    nd = len(shape)
-    axes = tuple(range(x.dim() - nd, x.dim()))
+    """native_layer_norm: the output, and the mean and 1/std that autograd saves for backward."""
+    return _layer_norm(*uargs[:5], stats=True)
+
+
+def _layer_norm(x, shape, w, b, eps, stats: bool):
     chip = runtime.current_chip()
-    y = chip.engine("layer_norm", _to_jax(x), weight=None if w is None else _to_jax(w),
-                    bias=None if b is None else _to_jax(b), eps=float(eps), ndim=nd)
-    # mean and 1/std are the digital statistics autograd saves for backward
-    xf = x.detach().to(torch.float32)
-    var, mean = torch.var_mean(xf, dim=axes, keepdim=True, correction=0)
-    return _to_torch(y, x.dtype), mean, torch.rsqrt(var + eps)
+    out = chip.engine("layer_norm", _to_jax(x), weight=None if w is None else _to_jax(w),
+                      bias=None if b is None else _to_jax(b), eps=float(eps), ndim=len(shape), stats=stats)
+    if not stats:
+        return _to_torch(out, x.dtype)
+    y, mean, rstd = out
+    return _to_torch(y, x.dtype), _to_torch(mean), _to_torch(rstd)
 
 
 def batch_norm_inference(func, args, uargs, ukwargs):

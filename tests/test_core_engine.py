@@ -153,6 +153,20 @@ def test_softmax_axis_and_sum():
     assert np.all(np.isfinite(np.asarray(engine.softmax(jnp.asarray(big), precision="fp16"))))
 
 
+def test_safe_softmax_zeroes_fully_masked_rows_only():
+    x = _x((4, 6), seed=6)
+    x[1] = -np.inf  # a fully masked row
+    x[2, :3] = -np.inf  # partly masked
+    x[3] = np.finfo(np.float32).min  # finite (rounds to -inf in fp16): not masked, as on the host
+    for p in ("fp32", "fp16"):
+        plain = np.asarray(engine.softmax(jnp.asarray(x), precision=p))
+        safe = np.asarray(engine.softmax(jnp.asarray(x), precision=p, safe=True))
+        assert np.all(np.isnan(plain[1])) and np.all(safe[1] == 0.0)
+        np.testing.assert_array_equal(safe[[0, 2, 3]], plain[[0, 2, 3]])
+    ref = torch.ops.aten._safe_softmax(torch.from_numpy(x), -1).numpy()
+    np.testing.assert_allclose(np.asarray(engine.softmax(jnp.asarray(x), safe=True)), ref, rtol=1e-6, atol=1e-7)
+
+
 def test_layer_norm_multi_axis():
     x = _x((2, 3, 4, 5), seed=5)
     y = np.asarray(engine.layer_norm(jnp.asarray(x), ndim=2, precision="fp32"))

@@ -175,6 +175,38 @@ def test_sdpa_runs_on_the_engine(ideal, mode):
     assert_close(y, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
+def test_safe_softmax_fully_masked_row_is_zero_eager_and_compiled(ideal):
+    x = torch.randn(3, 5)
+    x[1] = float("-inf")
+    ref = torch.ops.aten._safe_softmax(x, -1)
+    with torch.no_grad(), Delta() as d:
+        y = torch.ops.aten._safe_softmax(x.to(D), -1)
+    assert d["engine_ops"] == 1 and d["fallback_ops"] == 0, d
+    assert_close(y, ref)
+    assert torch.all(y.cpu()[1] == 0)
+    compiled = torch.compile(lambda t: torch.ops.aten._safe_softmax(t, -1), backend="sidra")
+    assert_close(compiled(x.to(D)), ref)
+
+
+def test_layer_norm_statistics_come_from_the_engine_kernel(ideal, mode):
+    torch.manual_seed(0)
+    cpu = nn.LayerNorm(8)
+    dev = on_device(cpu)
+    x = torch.randn(4, 8)
+    ref = torch.ops.aten.native_layer_norm(x, [8], cpu.weight, cpu.bias, 1e-5)
+    with mode(), Delta() as d:
+        out = torch.ops.aten.native_layer_norm(x.to(D), [8], dev.weight, dev.bias, 1e-5)
+    assert d["engine_ops"] == 1 and d["fallback_ops"] == 0, d  # y, mean and 1/std in one engine op
+    for a, e in zip(out, ref):
+        assert a.shape == e.shape
+        assert_close(a, e, rtol=1e-5)
+    xc, xd = x.clone().requires_grad_(), x.to(D).requires_grad_()
+    cpu(xc).square().sum().backward()
+    dev(xd).square().sum().backward()  # backward uses the saved statistics
+    assert_close(xd.grad, xc.grad, rtol=1e-4, atol=1e-4)
+    assert_close(dev.weight.grad, cpu.weight.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_elementwise_arithmetic_is_engine(ideal):
     x = torch.randn(4, 4)
     s = x.to(D)

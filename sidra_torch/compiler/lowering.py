@@ -345,22 +345,15 @@ def _softmax(ctx, node, x, dim, half_to_float=False):
 
 @_reg(aten._safe_softmax.default, "engine", "softmax")
 def _safe_softmax(ctx, node, x, dim, dtype=None):
-    out = engine.softmax(_f32(x), axis=int(dim), precision=ctx.spec.engine.precision)
-    masked = jnp.all(jnp.isneginf(x), axis=int(dim), keepdims=True)
-    return _cast(jnp.where(masked, 0.0, out), node)
+    return _cast(engine.softmax(_f32(x), axis=int(dim), precision=ctx.spec.engine.precision, safe=True), node)
 
 
 @_reg(aten.native_layer_norm.default, "engine", "layer_norm")
 def _layer_norm(ctx, node, x, shape, w, b, eps):
-    nd = len(shape)
-    y = engine.layer_norm(_f32(x), weight=None if w is None else _f32(w), bias=None if b is None else _f32(b),
-                          eps=float(eps), ndim=nd, precision=ctx.spec.engine.precision)
-    # mean and 1/std: the statistics autograd would save (dead in an inference graph)
-    xf = _f32(x)
-    axes = tuple(range(x.ndim - nd, x.ndim))
-    mean = jnp.mean(xf, axis=axes, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
-    return y.astype(x.dtype), mean, jax.lax.rsqrt(var + eps)
+    # with mean and 1/std: the statistics autograd would save (dead in an inference graph)
+    y, mean, rstd = engine.layer_norm(_f32(x), weight=None if w is None else _f32(w), bias=None if b is None else _f32(b),
+                                      eps=float(eps), ndim=len(shape), precision=ctx.spec.engine.precision, stats=True)
+    return y.astype(x.dtype), mean, rstd
 
 
 @_reg(aten._native_batch_norm_legit_no_training.default, "engine", "batch_norm")
