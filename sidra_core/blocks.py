@@ -20,15 +20,19 @@ _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
 def map_blocks(fn, arrays, fills, size: int = BLOCK):
     """Apply `fn` (a jitted element-wise kernel) to equally shaped arrays, block by block.
 
-    Blocks are `size` elements, or the next power of two (>= 4096) for a
-    smaller input, so a shrinking input does not pay for a full block; the
-    last block is padded with `fills`. The outputs come back with the inputs'
-    shape, as a list (one per kernel output).
+    Blocks are `size` elements, or for a smaller input the smallest of 4096 x 8^k
+    that holds it, so a shrinking input does not pay for a full block and few
+    block sizes (each a kernel to trace and compile, up to ~1 s for ISPP's) are
+    used; the last block is padded with `fills`. The outputs come back with the
+    inputs' shape, as a list (one per kernel output).
     """
     shape = np.shape(arrays[0])
     flat = [np.ravel(a) for a in arrays]
     n = flat[0].size
-    size = min(size, max(4096, 1 << max(n - 1, 0).bit_length()))
+    block = 4096
+    while block < min(n, size):
+        block *= 8
+    size = min(size, block)
 
     def run(lo):
         part = [a[lo:lo + size] for a in flat]
