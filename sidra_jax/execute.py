@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sidra_core
-from sidra_core import crossbar, engine
-from sidra_core.host import XLA_COMPILER_OPTIONS
+from sidra_core import crossbar, engine, host
 
 from . import nn as _nn
 from .plan import Lit, Plan
@@ -246,21 +245,7 @@ class _Runner:
         return straight_through(device, self._exact_fused(ins), vals, (snaps[ins.wref], seeds[ins.seed]))
 
 
-class Executor:
-    """The jitted function (snapshots, seeds, leaves, consts) -> flat outputs of one plan.
-
-    Called at top level, it is compiled with XLA_COMPILER_OPTIONS; under an outer transformation
-    (jax.grad, an outer jit) it is a nested jit, which cannot carry compiler options.
-    """
-
-    def __init__(self, plan: Plan, spec):
-        runner = _Runner(plan, spec)
-        self.top = jax.jit(runner, compiler_options=XLA_COMPILER_OPTIONS)
-        self.nested = jax.jit(runner) if XLA_COMPILER_OPTIONS else self.top
-
-    def __call__(self, snaps, seeds, leaves, consts, traced: bool = False):
-        return (self.nested if traced else self.top)(snaps, seeds, leaves, consts)
-
-
-def executor(plan: Plan, spec) -> Executor:
-    return Executor(plan, spec)
+def executor(plan: Plan, spec):
+    """The jitted function (snapshots, seeds, leaves, consts) -> flat outputs of one plan: compiled
+    with XLA_COMPILER_OPTIONS at top level, a plain nested jit under jax.grad or an outer jit."""
+    return host.jit(_Runner(plan, spec))

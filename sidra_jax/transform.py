@@ -264,7 +264,7 @@ class SidraFunction:
             snaps = tuple(chip.snapshot(r) for r in residents)
             seeds = np.fromiter((chip.next_seed() for _ in range(plan.n_seeds)), np.uint32, plan.n_seeds)
             clock.charge(plan.total, **plan.counts)
-        out = plan.executor(snaps, seeds, values, plan.consts, nested)
+        out = plan.executor(snaps, seeds, values, plan.consts)
         if profs:
             if not nested:
                 out = jax.block_until_ready(out)
