@@ -499,7 +499,7 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         now = _tile_norms(gp, gm, grid)
         per_tile = np.where(now > 0, state.ref_norm / now, 1.0).astype(np.float32)
         gain = np.repeat(per_tile, grid.cols, axis=1)[:, :n]
-    split = spec.dac.enabled and spec.dac.bits <= 9
+    split = spec.dac.enabled and spec.dac.bits <= _BF16_EXACT_BITS
     # (float32 weights stay per tile: the ideal chip's results keep their float32 rounding)
     narrow = split and 1 < grid.grid_k and grid.grid_k * n <= _NARROW
     if narrow:
@@ -512,6 +512,10 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         lsb=None if lsb is None else jnp.asarray(lsb), gain=None if gain is None else jnp.asarray(gain),
         scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, narrow),
     )
+
+
+# DAC codes of up to 9 signed bits (|code| <= 255) are exact in bfloat16's 8-bit significand.
+_BF16_EXACT_BITS = 9
 
 
 # A weight with several tiles along K but few columns (a classifier head: 1024 x 10 is 4 tiles of
@@ -585,6 +589,10 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         raise ValueError(f"mvm input has {x.shape[-1]} features but the weight has K = {s.k}")
     if snap.var is not None and seed is None:
         raise ValueError("this chip has read noise: mvm() needs a noise seed")
+    if s.terms and (dac_bits is None or dac_bits > _BF16_EXACT_BITS):
+        raise ValueError(f"this snapshot holds bfloat16 weights for DAC codes of <= {_BF16_EXACT_BITS} bits, "
+                         f"got dac_bits={dac_bits}: run it with the settings of the chip that made it "
+                         f"(mvm_kwargs(spec))")
     grid_k, n_pad = s.grid_k, s.n
     x2 = x.reshape(-1, s.k).astype(jnp.float32)
     if dac_bits is not None:

@@ -209,6 +209,34 @@ def test_read_noise_requires_seed():
         sc.mvm(snap, jnp.ones((1, 10)), None, None, **sc.mvm_kwargs(Y1))
 
 
+@pytest.mark.parametrize("dac_bits", [None, 10])
+def test_bf16_snapshot_refuses_inputs_that_are_not_exact_dac_codes(dac_bits):
+    st = sc.program(_rand((10, 10), 0), Y1)
+    snap = sc.snapshot(st, 0.0, Y1)
+    assert snap.shape.terms == 2  # drifting y1 weights: bfloat16 (hi, lo) pairs
+    with pytest.raises(ValueError, match="bfloat16 weights for DAC codes"):
+        sc.mvm(snap, jnp.ones((1, 10)), jnp.uint32(0), None, dac_bits=dac_bits, adc_bits=8)
+    sc.mvm(snap, jnp.ones((1, 10)), jnp.uint32(0), None, dac_bits=9, adc_bits=8)  # 9-bit codes are exact
+
+
+@pytest.mark.parametrize("spec", [INT8, Y1], ids=["int8", "y1"])
+def test_narrow_block_diagonal_layout_computes_what_per_tile_tiles_do(spec, monkeypatch):
+    """A head spanning tiles along K with few columns is held block-diagonally: same result."""
+    from sidra_core import crossbar
+
+    w, x = _rand((700, 10), 3, 0.05), jnp.asarray(_rand((6, 700), 4))
+    st = sc.program(w, spec, seed=1)
+    narrow = sc.snapshot(st, 0.0, spec)
+    monkeypatch.setattr(crossbar, "_NARROW", 0)
+    per_tile = sc.snapshot(st, 0.0, spec)
+    assert narrow.shape.narrow and len(narrow.w) == 1 and not per_tile.shape.narrow and len(per_tile.w) == 3
+    np.testing.assert_array_equal(np.asarray(narrow.weights()), np.asarray(per_tile.weights()))
+    kw = sc.mvm_kwargs(spec)
+    a, b = (np.asarray(sc.mvm(s, x, jnp.uint32(5), None, **kw)) for s in (narrow, per_tile))
+    # the same noise draws and ADC codes; the partial sums may differ by float32 summation order
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
 def test_mvm_rejects_wrong_k():
     st = sc.program(_rand((10, 10), 0), INT8)
     with pytest.raises(ValueError, match="K = 10"):
