@@ -8,7 +8,6 @@ blocks are cells at G_min, exactly as a naive group mapping would program them.
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

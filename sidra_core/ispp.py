@@ -109,9 +109,9 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
     tol_u, g_min_u = float(n.tolerance * t.g_max / span), float(t.g_min / span)
     seed_u = np.uint32(rng.seed32(seed, 0x15BB))
     relax_seed = np.uint32(rng.seed32(seed, 0x4E1A))
-    (failed,) = map_blocks(
-        lambda a, b, i: _first_verify(a, b, i, seed_u, (tol_u, float(spec.noise.read_sigma), g_min_u, float(t.g_min), float(span))),
-        [g_start, g_target, cell_ids], [0, 0, 0], size=BLOCK * 4)
+    verify = (tol_u, float(spec.noise.read_sigma), g_min_u, float(t.g_min), float(span))
+    (failed,) = map_blocks(lambda a, b, i: _first_verify(a, b, i, seed_u, verify),
+                           [g_start, g_target, cell_ids], [0, 0, 0], size=BLOCK * 4)
     failed = np.flatnonzero(failed)
     # A stuck cell never moves, so write-verify pulses it until it gives up.
     out_pulses[failed[stuck[failed]]] = n.max_pulses
