@@ -640,7 +640,7 @@ def mvm_kwargs(spec: ChipSpec) -> dict:
 def linear(state_or_snap, x, spec: ChipSpec, *, seed: int = 0, bias=None, t_now: float = 0.0):
     """Convenience: snapshot (if given a programmed state) and run the MVM."""
     snap = state_or_snap if isinstance(state_or_snap, Snapshot) else snapshot(state_or_snap, t_now, spec)
-    return mvm(snap, x, jnp.uint32(seed), bias, **mvm_kwargs(spec))
+    return mvm(snap, x, np.uint32(seed), bias, **mvm_kwargs(spec))
 
 
 def clipped_fraction(snap: Snapshot, x, spec: ChipSpec) -> float:

@@ -204,14 +204,14 @@ class Chip:
         k, n = res.shape
         rows = int(np.prod(np.shape(x)[:-1], dtype=np.int64))
         snap = self.snapshot(res)
-        y = crossbar.mvm(snap, x, jnp.uint32(self.next_seed()), bias, **crossbar.mvm_kwargs(self.spec))
+        y = crossbar.mvm(snap, x, np.uint32(self.next_seed()), bias, **crossbar.mvm_kwargs(self.spec))
         self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
         return y
 
     def conv(self, res: Resident, x, w_shape, bias=None, stride=1, padding=0, dilation=1):
         """N-d convolution of x (N, C_in, *spatial) with a programmed conv weight."""
         args = conv_args(w_shape, stride, padding, dilation)
-        y = conv_kernel(self.snapshot(res), x, jnp.uint32(self.next_seed()), bias, **args,
+        y = conv_kernel(self.snapshot(res), x, np.uint32(self.next_seed()), bias, **args,
                         **crossbar.mvm_kwargs(self.spec))
         rows = int(np.shape(x)[0]) * output_positions(np.shape(x), w_shape, stride, padding, dilation)
         k, n = res.shape

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import jax
@@ -36,3 +38,44 @@ def test_keep_freed_memory_takes_and_can_be_switched_off(monkeypatch):
     assert host.keep_freed_memory() is True
     monkeypatch.setenv("SIDRA_MALLOC_TUNING", "0")
     assert host.keep_freed_memory() is False
+
+
+_ARENAS = """
+import ctypes, re, tempfile, threading
+import numpy as np
+import sidra_core  # sets the allocator up at import
+
+def work():
+    np.ones(1 << 20).sum()  # 8 MB through malloc on this thread
+
+threads = [threading.Thread(target=work) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype = ctypes.c_void_p
+path = tempfile.mktemp()
+fp = ctypes.c_void_p(libc.fopen(path.encode(), b"w"))
+libc.malloc_info(0, fp)
+libc.fclose(fp)
+print(len(re.findall(r'<heap nr="[0-9]+">', open(path).read())))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+def test_worker_threads_share_the_one_arena():
+    # XLA's worker threads would each get a malloc arena whose heaps give large buffers back to the
+    # kernel on free (a page fault per 4 kB on every run); with the setting every thread uses one arena.
+    def arenas(tuning: str) -> int:
+        env = dict(os.environ, SIDRA_MALLOC_TUNING=tuning)
+        out = subprocess.run([sys.executable, "-c", _ARENAS], env=env, capture_output=True, text=True, check=True)
+        return int(out.stdout.strip().splitlines()[-1])
+
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_info
+    except (OSError, AttributeError):
+        pytest.skip("not glibc")
+    assert arenas("1") == 1
+    assert arenas("0") > 1  # the check can tell the difference
