@@ -9,6 +9,7 @@ weights, so switching back does not reprogram.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,31 @@ import torch.compiler as _torch_compiler
 
 import sidra_core
 from sidra_core import Chip, ChipSpec
+
+
+def on_one_torch_thread(fn):
+    """Run fn with torch limited to one intra-op thread (restored after).
+
+    The simulated chip's kernels are XLA programs that use every core; torch's OpenMP workers,
+    once woken by a multi-threaded op, spin-wait on a core for a while after it and slow the next
+    kernel (MiniLM b8 x 128 eager 484 -> 415 ms on 2 cores). The chip's own host-side arithmetic
+    (element-wise ops, format rounding) therefore runs on the calling thread; host-CPU work
+    outside the device keeps torch's setting.
+    """
+    get, set_ = torch.get_num_threads, torch.set_num_threads
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        n = get()
+        if n == 1:
+            return fn(*args, **kwargs)
+        set_(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            set_(n)
+
+    return run
 
 
 @dataclass

@@ -565,6 +565,7 @@ def _fix_device_kw(kwargs):
 # --------------------------------------------------------------------------
 # the dispatcher
 # --------------------------------------------------------------------------
+@_runtime.on_one_torch_thread
 def _torch_dispatch(cls, func, types, args=(), kwargs=None):
     try:
         info = func._sidra_info

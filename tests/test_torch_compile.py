@@ -272,3 +272,25 @@ def test_training_through_the_compiled_model_matches_eager(ideal):
     loss_fn(twin(x), y).backward()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert p.grad is not None and max_abs_diff(p.grad, q.grad) <= 1e-6
+
+
+def test_compiled_program_runs_on_one_torch_thread(int8, monkeypatch):
+    """Like eager device ops: torch's spinning OpenMP workers would slow the XLA program."""
+    from sidra_torch.compiler import program
+
+    seen = []
+    real = program.Plan.run
+    monkeypatch.setattr(program.Plan, "run", lambda self, args: seen.append(torch.get_num_threads()) or real(self, args))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU()).to(D)
+        x = torch.randn(4, 16).to(D)
+        with torch.no_grad():
+            y = torch.compile(model, backend="sidra")(x)
+            ref = model(x)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+        assert max_abs_diff(y, ref) <= TOL["int8"]
+    finally:
+        torch.set_num_threads(before)

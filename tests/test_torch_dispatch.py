@@ -216,6 +216,33 @@ def test_elementwise_arithmetic_is_engine(ideal):
     assert_close(y, (x * 2 + 1).exp().sum(-1))
 
 
+def test_device_ops_run_on_one_torch_thread_and_restore_the_setting(ideal, monkeypatch):
+    # XLA's kernels use the cores; torch's OpenMP workers spinning after a multi-threaded op slowed them
+    from sidra_torch import dispatch, tensor
+
+    seen = []
+    real = dispatch.elementwise
+
+    def spy(func, args, uargs, ukwargs):
+        seen.append(torch.get_num_threads())
+        return real(func, args, uargs, ukwargs)
+
+    monkeypatch.setattr(tensor, "observer", lambda func, runner, args, uargs, ukwargs: (
+        spy if runner.__name__ == "elementwise" else runner)(func, args, uargs, ukwargs))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(64, 64).to(D)
+        y = x * 2
+        assert seen == [1] and torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="same device"):
+            x + torch.randn(64, 64)  # an error inside the dispatcher restores the setting too
+        assert torch.get_num_threads() == 2
+        assert_close(y, x.cpu() * 2)
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------
 # memory
 

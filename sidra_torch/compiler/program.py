@@ -327,6 +327,7 @@ class CompiledGraph:
                     "tokenizer(..., padding='max_length', max_length=128)", stacklevel=3)
         return p
 
+    @runtime.on_one_torch_thread
     def __call__(self, *args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             # Training: eager dispatch records autograd (straight-through gradients on the host).
