@@ -8,6 +8,7 @@ from . import host as _host
 
 _host.use_compilation_cache()
 _host.keep_freed_memory()
+_host.run_inline()
 
 from . import cost, engine, rng  # noqa: E402
 from .clock import Counters, DeviceClock  # noqa: E402

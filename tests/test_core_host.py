@@ -79,3 +79,19 @@ def test_worker_threads_share_the_one_arena():
         pytest.skip("not glibc")
     assert arenas("1") == 1
     assert arenas("0") > 1  # the check can tell the difference
+
+
+def _async_dispatch_after_import(env: dict, jax_first: bool) -> str:
+    code = ("import jax\n" + ("jax.numpy.ones(1).block_until_ready()\n" if jax_first else "")
+            + "import sidra_core\nprint(jax.config.read('jax_cpu_enable_async_dispatch'))")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_xla_programs_run_inline_unless_asked_or_too_late():
+    # thread hand-offs of asynchronous dispatch cost more than a small kernel on a VM
+    assert _async_dispatch_after_import({"SIDRA_JAX_ASYNC": "0"}, jax_first=False) == "False"
+    assert _async_dispatch_after_import({"SIDRA_JAX_ASYNC": "1"}, jax_first=False) == "True"
+    # JAX's CPU backend already exists: the setting cannot take and is left as the user has it
+    assert _async_dispatch_after_import({"SIDRA_JAX_ASYNC": "0"}, jax_first=True) == "True"
