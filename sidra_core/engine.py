@@ -23,9 +23,18 @@ STORAGE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "fl
 _DTYPES = {k: jnp.dtype(v) for k, v in STORAGE.items()}
 
 
+@partial(jax.jit, static_argnames=("precision",))
 def round_to(x, precision: str):
-    """Round to the engine's storage format (identity at fp32); compute continues in float32."""
-    return _round(x, precision)
+    """Store a result in the engine's format (identity at fp32), as float32 again. Saturating, like
+    the engine's converter: a finite value beyond the format's range becomes its largest finite
+    value, not +-inf (an fp32 model's finfo.min attention mask stays finite, so a fully masked row
+    softmaxes as on the host instead of to NaN); inf and NaN pass through."""
+    dt = _DTYPES[precision]
+    x = x.astype(jnp.float32)
+    if dt == jnp.float32:
+        return x
+    big = float(jnp.finfo(dt).max)
+    return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(dt).astype(jnp.float32)
 
 
 def _round(x, precision: str):

@@ -238,3 +238,16 @@ def test_matmul_fp32_exact():
     y = np.asarray(engine.matmul(jnp.asarray(a), jnp.asarray(b), mode="fp32"), np.float64)
     ref = a.astype(np.float64) @ b.astype(np.float64)
     assert np.all(np.abs(y - ref) <= 1e-6 * (np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "int8"])
+def test_round_to_saturates_finite_overflow_and_keeps_inf_and_nan(fmt):
+    # an fp32 model's finfo.min attention mask must stay finite on the engine (NaN rows otherwise)
+    big = float(torch.finfo({"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float16}[fmt]).max)
+    f32 = np.finfo(np.float32)
+    over = (big + float(f32.max)) / 2 if fmt == "bf16" else 1.01 * big  # beyond the format, finite in fp32
+    x = np.array([f32.min, -over, 1.5, over, f32.max, np.inf, -np.inf, np.nan], np.float32)
+    y = np.asarray(engine.round_to(x, fmt))
+    np.testing.assert_array_equal(y[[0, 1, 3, 4]], [-big, -big, big, big])
+    assert y[2] == 1.5 and y[5] == np.inf and y[6] == -np.inf and np.isnan(y[7])
+    np.testing.assert_array_equal(np.asarray(engine.round_to(x, "fp32")), x)

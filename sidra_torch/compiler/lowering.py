@@ -80,10 +80,7 @@ def _round_engine(y, node, precision: str):
         return _cast(y, node)
     if storage == torch.float32 or dt == storage:
         return y.astype(jnp_dtype(dt))
-    # saturating, as eager's: a finite value beyond the format's range becomes its largest value
-    big = float(torch.finfo(storage).max)
-    y = jnp.where(jnp.isfinite(y), jnp.clip(y, -big, big), y)
-    return y.astype(jnp_dtype(storage)).astype(jnp_dtype(dt))
+    return engine.round_to(y, precision).astype(jnp_dtype(dt))
 
 
 def _f32(x):
