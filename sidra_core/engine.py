@@ -105,10 +105,15 @@ def _io(precision: str):
 def softmax(x, axis: int = -1, precision: str = "fp32", safe: bool = False):
     """Softmax with max subtraction; exponentials and the sum in fp32. `safe`: a row that is
     -inf throughout (fully masked attention) gives zeros instead of NaN."""
-    y = _round(jax.nn.softmax(_round(x, _io(precision)), axis=axis), _io(precision))
-    if safe:
-        y = jnp.where(jnp.all(jnp.isneginf(x), axis=axis, keepdims=True), 0.0, y)
-    return y
+    # jax.nn.softmax's arithmetic, written out so the row maximum also answers `safe`: a row is
+    # -inf throughout exactly when its maximum is (one reduction pass fewer, bit-identical). The
+    # maximum is taken before rounding (rounding is monotonic, so rounding it gives the rounded
+    # inputs' maximum): a finite row that rounds to -inf is not masked, as on the host.
+    m_in = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    x, m = _round(x, _io(precision)), _round(m_in, _io(precision))
+    e = jnp.exp(x - m)
+    y = _round(e / jnp.sum(e, axis=axis, keepdims=True), _io(precision))
+    return jnp.where(m_in == -jnp.inf, 0.0, y) if safe else y
 
 
 @partial(jax.jit, static_argnames=("axis", "precision"))
