@@ -109,7 +109,7 @@ def softmax(x, axis: int = -1, precision: str = "fp32", safe: bool = False):
     # -inf throughout exactly when its maximum is (one reduction pass fewer, bit-identical). The
     # maximum is taken before rounding (rounding is monotonic, so rounding it gives the rounded
     # inputs' maximum): a finite row that rounds to -inf is not masked, as on the host.
-    m_in = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    m_in = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True, initial=-jnp.inf))
     x, m = _round(x, _io(precision)), _round(m_in, _io(precision))
     e = jnp.exp(x - m)
     y = _round(e / jnp.sum(e, axis=axis, keepdims=True), _io(precision))
