@@ -251,3 +251,9 @@ def test_round_to_saturates_finite_overflow_and_keeps_inf_and_nan(fmt):
     np.testing.assert_array_equal(y[[0, 1, 3, 4]], [-big, -big, big, big])
     assert y[2] == 1.5 and y[5] == np.inf and y[6] == -np.inf and np.isnan(y[7])
     np.testing.assert_array_equal(np.asarray(engine.round_to(x, "fp32")), x)
+
+
+def test_softmax_over_an_empty_axis_is_empty():
+    for safe in (False, True):
+        assert engine.softmax(jnp.zeros((3, 0)), safe=safe).shape == (3, 0)
+        assert engine.softmax(jnp.zeros((0, 4)), axis=0, precision="fp16", safe=safe).shape == (0, 4)
