@@ -66,9 +66,11 @@ def run_inline() -> bool:
     """
     if os.environ.get("SIDRA_JAX_ASYNC", "0") == "1":
         return False
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    try:  # the one way to ask whether JAX has made its backends (and read this setting) already
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:  # pragma: no cover - another JAX: leave its dispatch as it is
+        return False
+    if backends_are_initialized():
         return not jax.config.read("jax_cpu_enable_async_dispatch")
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     return True
