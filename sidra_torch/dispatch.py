@@ -100,8 +100,10 @@ def _unsupported_dtype(uargs) -> bool:
 
 
 def host(func, args, uargs, ukwargs):
-    """Run on the host CPU: the inputs go over the host link, the result comes back."""
-    out = func._op(*uargs, **ukwargs)
+    """Run on the host CPU (with the caller's torch threads): the inputs go over the host link,
+    the result comes back."""
+    with runtime.users_torch_threads():
+        out = func._op(*uargs, **ukwargs)
     chip = runtime.current_chip()
     chip.charge_host(nbytes(uargs) + nbytes(ukwargs.values()) + nbytes(out), transfers=2, fallback=True)
     return out

@@ -22,14 +22,18 @@ import sidra_core
 from sidra_core import Chip, ChipSpec
 
 
+_torch_threads = threading.local()  # .user: the caller's torch thread count while a device op runs
+
+
 def on_one_torch_thread(fn):
     """Run fn with torch limited to one intra-op thread (restored after).
 
     The simulated chip's kernels are XLA programs that use every core; torch's OpenMP workers,
     once woken by a multi-threaded op, spin-wait on a core for a while after it and slow the next
     kernel (MiniLM b8 x 128 eager 484 -> 415 ms on 2 cores). The chip's own host-side arithmetic
-    (element-wise ops, format rounding) therefore runs on the calling thread; host-CPU work
-    outside the device keeps torch's setting.
+    (element-wise ops, format rounding) therefore runs on the calling thread; host-CPU work (the
+    user's, and fallback ops inside a device op: `users_torch_threads`) keeps torch's setting.
+    torch's count is per thread (OpenMP), so concurrent callers do not interfere.
     """
     get, set_ = torch.get_num_threads, torch.set_num_threads
 
@@ -39,12 +43,28 @@ def on_one_torch_thread(fn):
         if n == 1:
             return fn(*args, **kwargs)
         set_(1)
+        _torch_threads.user = n
         try:
             return fn(*args, **kwargs)
         finally:
+            _torch_threads.user = None
             set_(n)
 
     return run
+
+
+@contextlib.contextmanager
+def users_torch_threads():
+    """Inside a device op: torch's thread count as the caller had it (a host fallback is CPU work)."""
+    n = getattr(_torch_threads, "user", None)
+    if n is None:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 @dataclass

@@ -217,28 +217,41 @@ def test_elementwise_arithmetic_is_engine(ideal):
 
 
 def test_device_ops_run_on_one_torch_thread_and_restore_the_setting(ideal, monkeypatch):
-    # XLA's kernels use the cores; torch's OpenMP workers spinning after a multi-threaded op slowed them
-    from sidra_torch import dispatch, tensor
+    # XLA's kernels use the cores; torch's OpenMP workers spinning after a multi-threaded op slowed them.
+    # A host fallback is CPU work: it runs with the caller's threads.
+    from sidra_torch import tensor
 
     seen = []
-    real = dispatch.elementwise
 
-    def spy(func, args, uargs, ukwargs):
-        seen.append(torch.get_num_threads())
-        return real(func, args, uargs, ukwargs)
+    class Spy:  # the op as a runner sees it; records torch's threads where the host computes it
+        def __init__(self, func):
+            self.func = func
 
-    monkeypatch.setattr(tensor, "observer", lambda func, runner, args, uargs, ukwargs: (
-        spy if runner.__name__ == "elementwise" else runner)(func, args, uargs, ukwargs))
+        def _op(self, *a, **k):
+            seen.append(("host op", torch.get_num_threads()))
+            return self.func._op(*a, **k)
+
+    def observe(func, runner, args, uargs, ukwargs):
+        if runner.__name__ in ("elementwise", "host"):
+            seen.append((runner.__name__, torch.get_num_threads()))
+        return runner(Spy(func) if runner.__name__ == "host" else func, args, uargs, ukwargs)
+
+    monkeypatch.setattr(tensor, "observer", observe)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         x = torch.randn(64, 64).to(D)
+        seen.clear()
         y = x * 2
-        assert seen == [1] and torch.get_num_threads() == 2
+        assert seen == [("elementwise", 1)] and torch.get_num_threads() == 2
+        seen.clear()
+        z = torch.special.bessel_j0(x)  # no engine kernel: the host
+        assert seen == [("host", 1), ("host op", 2)] and torch.get_num_threads() == 2
         with pytest.raises(RuntimeError, match="same device"):
             x + torch.randn(64, 64)  # an error inside the dispatcher restores the setting too
         assert torch.get_num_threads() == 2
         assert_close(y, x.cpu() * 2)
+        assert_close(z, torch.special.bessel_j0(x.cpu()))
     finally:
         torch.set_num_threads(before)
 
