@@ -13,7 +13,6 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 
-import jax.numpy as jnp
 import numpy as np
 
 from . import cost, crossbar, engine, rng

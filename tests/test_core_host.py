@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -27,14 +28,18 @@ def test_host_jit_runs_at_top_level_and_inside_traces():
     assert jnp.array_equal(jax.vmap(_double)(x), 2.0 * x)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
-def test_keep_freed_memory_takes_and_can_be_switched_off(monkeypatch):
-    import ctypes
-
+def _glibc() -> bool:
     try:
-        ctypes.CDLL("libc.so.6").gnu_get_libc_version
+        return bool(ctypes.CDLL("libc.so.6").gnu_get_libc_version)
     except (OSError, AttributeError):
-        pytest.skip("not glibc")
+        return False
+
+
+glibc_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc(), reason="glibc malloc only")
+
+
+@glibc_only
+def test_keep_freed_memory_takes_and_can_be_switched_off(monkeypatch):
     assert host.keep_freed_memory() is True
     monkeypatch.setenv("SIDRA_MALLOC_TUNING", "0")
     assert host.keep_freed_memory() is False
@@ -63,7 +68,7 @@ print(len(re.findall(r'<heap nr="[0-9]+">', open(path).read())))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+@glibc_only
 def test_worker_threads_share_the_one_arena():
     # XLA's worker threads would each get a malloc arena whose heaps give large buffers back to the
     # kernel on free (a page fault per 4 kB on every run); with the setting every thread uses one arena.
@@ -72,11 +77,6 @@ def test_worker_threads_share_the_one_arena():
         out = subprocess.run([sys.executable, "-c", _ARENAS], env=env, capture_output=True, text=True, check=True)
         return int(out.stdout.strip().splitlines()[-1])
 
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_info
-    except (OSError, AttributeError):
-        pytest.skip("not glibc")
     assert arenas("1") == 1
     assert arenas("0") > 1  # the check can tell the difference
 
