@@ -43,11 +43,11 @@ def on_one_torch_thread(fn):
         if n == 1:
             return fn(*args, **kwargs)
         set_(1)
-        _torch_threads.user = n
+        outer, _torch_threads.user = getattr(_torch_threads, "user", None), n
         try:
             return fn(*args, **kwargs)
         finally:
-            _torch_threads.user = None
+            _torch_threads.user = outer
             set_(n)
 
     return run

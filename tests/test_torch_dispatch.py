@@ -256,6 +256,29 @@ def test_device_ops_run_on_one_torch_thread_and_restore_the_setting(ideal, monke
         torch.set_num_threads(before)
 
 
+def test_nested_device_op_keeps_the_callers_thread_count_for_later_fallbacks():
+    from sidra_torch import runtime
+
+    seen = []
+    inner = runtime.on_one_torch_thread(lambda: seen.append(("inner", torch.get_num_threads())))
+
+    @runtime.on_one_torch_thread
+    def outer():
+        with runtime.users_torch_threads():  # a fallback that reaches a device op again
+            inner()
+        with runtime.users_torch_threads():  # a later fallback of the same device op
+            seen.append(("fallback", torch.get_num_threads()))
+        seen.append(("device", torch.get_num_threads()))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outer()
+        assert seen == [("inner", 1), ("fallback", 2), ("device", 1)] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------
 # memory
 
