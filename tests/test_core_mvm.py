@@ -209,14 +209,39 @@ def test_read_noise_requires_seed():
         sc.mvm(snap, jnp.ones((1, 10)), None, None, **sc.mvm_kwargs(Y1))
 
 
-@pytest.mark.parametrize("dac_bits", [None, 10])
-def test_bf16_snapshot_refuses_inputs_that_are_not_exact_dac_codes(dac_bits):
+@pytest.mark.parametrize("dac_bits", [None, 9])
+def test_int8_snapshot_refuses_inputs_that_are_not_int8_dac_codes(dac_bits):
     st = sc.program(_rand((10, 10), 0), Y1)
     snap = sc.snapshot(st, 0.0, Y1)
-    assert snap.shape.terms == 2  # drifting y1 weights: bfloat16 (hi, lo) pairs
-    with pytest.raises(ValueError, match="bfloat16 weights for DAC codes"):
+    assert snap.shape.terms == 2  # y1 weights (programming error, drift): int8 (whole, fraction) pairs
+    with pytest.raises(ValueError, match="int8 weights for DAC codes"):
         sc.mvm(snap, jnp.ones((1, 10)), jnp.uint32(0), None, dac_bits=dac_bits, adc_bits=8)
-    sc.mvm(snap, jnp.ones((1, 10)), jnp.uint32(0), None, dac_bits=9, adc_bits=8)  # 9-bit codes are exact
+    sc.mvm(snap, jnp.ones((1, 10)), jnp.uint32(0), None, dac_bits=8, adc_bits=8)
+
+
+@pytest.mark.parametrize("t_now", [0.0, 3600.0])
+def test_int8_pairs_hold_the_analog_weights_to_a_508th_of_a_code(t_now):
+    """The int8 (whole, fraction) snapshot of y1 weights (programming error, IR drop, drift) against
+    the float32 one a DAC without int8 codes gets; its MVM equals a float64 matmul of those weights."""
+    from sidra_core import crossbar
+
+    w = _rand((300, 300), 2, 0.05)
+    st = sc.program(w, Y1, seed=3)
+    snap = sc.snapshot(st, t_now, Y1)
+    ref = sc.snapshot(st, t_now, dataclasses.replace(Y1, dac=dataclasses.replace(Y1.dac, bits=9)))
+    assert snap.shape.terms == 2 and ref.shape.terms == 0
+    assert snap.w[0].dtype == jnp.int8 and snap.w[0].shape == (256, 600)
+    wq, wf = np.asarray(snap.weights(), np.float64), np.asarray(ref.weights(), np.float64)
+    err = np.abs(wq - wf)
+    assert err.max() <= 1 / 508 + 1e-4 and err.max() > 1e-4  # the fraction is really used ...
+    assert np.abs(wf).max() > 100  # ... over the whole code range
+    x = np.clip(np.rint(_rand((5, 300), 4) * 40), -127, 127).astype(np.float32)
+    xj = jnp.asarray(x)
+    for i, used in enumerate((256, 44)):
+        got = np.asarray(snap.partial_sums(snap.lhs(xj[:, i * 256:i * 256 + used]), i, used))
+        pair = np.asarray(snap.w[i], np.float64)[:used]  # exact: whole + fraction / 254 in float64
+        want = x[:, i * 256:i * 256 + used].astype(np.float64) @ (pair[:, :300] + pair[:, 300:] / 254)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-3)
 
 
 @pytest.mark.parametrize("spec", [INT8, Y1], ids=["int8", "y1"])

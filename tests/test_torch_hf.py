@@ -191,38 +191,44 @@ def test_minilm_matches_cpu_on_the_ideal_chip(minilm, restore_chip):
 
 @pytest.fixture(scope="module")
 def minilm_y1(minilm):
-    """MiniLM sentence embeddings on the default noisy chip (seeded), against CPU."""
+    """MiniLM sentence embeddings on the default noisy chip, against CPU: three reads (noise seeds
+    0, 1, 2; the first read also programs the crossbars), each sentence's cosine per read."""
     _, dev, _, enc, ref = minilm
     from sidra_torch import runtime
 
     prev_chip, prev_seed = runtime.current_chip(), runtime.initial_seed()
     collect()  # see the y1 fixture in conftest_torch
+    emb_ref = mean_pool_normalise(ref, enc["attention_mask"])
+    outs, cos = [], []
     try:
         with sidra_torch.use_chip("y1"):
-            sidra_torch.manual_seed(0)
             torch.sidra.reset_counters()
-            with torch.no_grad():
-                out = dev(**{k: v.to(D) for k, v in enc.items()}).last_hidden_state.cpu()
+            for seed in range(3):
+                sidra_torch.manual_seed(seed)
+                with torch.no_grad():
+                    outs.append(dev(**{k: v.to(D) for k, v in enc.items()}).last_hidden_state.cpu())
+                cos.append((mean_pool_normalise(outs[-1], enc["attention_mask"]) * emb_ref).sum(-1))
             counters = torch.sidra.counters()
     finally:
         runtime._STATE.chip, runtime._STATE.seed = prev_chip, prev_seed
-    emb = mean_pool_normalise(out, enc["attention_mask"])
-    emb_ref = mean_pool_normalise(ref, enc["attention_mask"])
-    cos = (emb * emb_ref).sum(-1)
-    print(f"\nMiniLM on y1: mean cosine {cos.mean().item():.4f}, min {cos.min().item():.4f}, "
-          f"max |diff| {max_abs_diff(out, ref):.3g}")
-    return out, ref, cos, counters
+    cos = torch.stack(cos)
+    print(f"\nMiniLM on y1: mean cosine per read {[round(c, 4) for c in cos.mean(-1).tolist()]}, "
+          f"min {cos.min().item():.4f}, max |diff| {max_abs_diff(outs[0], ref):.3g}")
+    return outs, ref, cos, counters
 
 
 def test_minilm_on_y1_is_noisy_but_close(minilm_y1):
-    out, ref, cos, counters = minilm_y1
-    assert torch.isfinite(out).all()
-    assert max_abs_diff(out, ref) > 1e-4  # the analog noise is there
+    outs, ref, cos, counters = minilm_y1
+    assert all(torch.isfinite(out).all() for out in outs)
+    assert max_abs_diff(outs[0], ref) > 1e-4  # the analog noise is there ...
+    assert max_abs_diff(outs[0], outs[1]) > 1e-4  # ... fresh on every read
     assert cos.min().item() >= 0.9  # ... and no sentence is wrecked
-    assert counters["mvms"] >= 6 * 6  # q, k, v, o, up, down in each of the 6 layers
+    assert counters["mvms"] >= 3 * 6 * 6  # q, k, v, o, up, down in each of the 6 layers, per read
     assert counters["cells_programmed"] > 0 and counters["pulses"] > counters["cells_programmed"]  # ISPP
 
 
 def test_minilm_on_y1_keeps_sentence_embeddings(minilm_y1):
     _, _, cos, _ = minilm_y1
-    assert cos.mean().item() >= 0.98, cos.mean().item()  # measured 0.985 (seed 0)
+    # The mean over sentences of one read varies with its noise draw by ~0.0007 (measured 0.9798-0.9819
+    # over seeds 0-5): the criterion is taken over three reads. Measured 0.9810 (seeds 0-2).
+    assert cos.mean().item() >= 0.98, cos.mean(-1).tolist()
