@@ -399,11 +399,12 @@ class Snapshot:
     `w` holds each tile's (G+ - G-)/dG including drift and IR drop, (rows, N)
     per tile, in float32, or, when the DAC makes every input an INT8 code, in
     int8: exactly (INT8 codes without drift) or as a (whole, fraction) pair
-    side by side, (rows, 2N) (see `_device_tiles`); one array per tile, as XLA:CPU copies a slice of a stacked array before
-    each matmul (~20 % of an MVM), or for a narrow weight one block-diagonal
-    array of all tiles (see _NARROW); `var` the per-cell read-noise variance in the same units, `lsb` the ADC
-    step of each tile column, `gain` the drift-compensation gain per tile
-    column, `scale` the weight scale per output column.
+    side by side, (rows, 2N) (see `_device_tiles`); one array per tile, as
+    XLA:CPU copies a slice of a stacked array before each matmul (~20 % of an
+    MVM), or for a narrow weight one block-diagonal array of all tiles (see
+    _NARROW); `var` the per-cell read-noise variance in the same units, `lsb`
+    the ADC step of each tile column, `gain` the drift-compensation gain per
+    tile column, `scale` the weight scale per output column.
     """
 
     w: tuple[jax.Array, ...]
@@ -418,7 +419,7 @@ class Snapshot:
         return self.tiles([_join(b) if self.shape.terms == 2 else b.astype(jnp.float32) for b in self.w])
 
     def tiles(self, blocks) -> jax.Array:
-        """Per-tile arrays (grid_k, rows (x terms), N) from the stored blocks (`w` or `var`)."""
+        """Per-tile arrays (grid_k, rows, N) from per-tile or block-diagonal (rows, N) blocks."""
         if not self.shape.narrow:
             return jnp.stack(blocks)
         bd, gk, n = blocks[0], self.shape.grid_k, self.shape.n
