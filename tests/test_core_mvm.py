@@ -219,6 +219,18 @@ def test_int8_snapshot_refuses_inputs_that_are_not_int8_dac_codes(dac_bits):
     sc.mvm(snap, jnp.ones((1, 10)), jnp.uint32(0), None, dac_bits=8, adc_bits=8)
 
 
+def test_float_weights_behind_an_int8_dac_stay_float32():
+    """Float-mode weights (dG = 1, values ~0.05) are not in code units: a 1/254 fraction would
+    round them away, so they keep float32 even when every input is an INT8 DAC code."""
+    spec = dataclasses.replace(IDEAL, dac=dataclasses.replace(IDEAL.dac, enabled=True, bits=8))
+    w, x = _rand((300, 40), 5, 0.05), _rand((4, 300), 6)
+    snap = sc.snapshot(sc.program(w, spec), 0.0, spec)
+    assert snap.shape.terms == 0 and snap.w[0].dtype == jnp.float32
+    codes, xscale = quantise_rows(jnp.asarray(x), 8)
+    want = (np.asarray(codes, np.float64) @ w.astype(np.float64)) * np.asarray(xscale, np.float64)
+    np.testing.assert_allclose(np.asarray(sc.linear(snap, x, spec)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("t_now", [0.0, 3600.0])
 def test_int8_pairs_hold_the_analog_weights_to_a_508th_of_a_code(t_now):
     """The int8 (whole, fraction) snapshot of y1 weights (programming error, IR drop, drift) against
