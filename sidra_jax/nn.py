@@ -129,12 +129,12 @@ __all__ = ["relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax", 
            "batch_norm"]
 
 
-def encoder_block(p, x, heads: int = 4):
+def encoder_block(p, x, heads: int = 4, eps: float = 1e-5):
     """A BERT-style encoder block in plain JAX (post-norm attention + GELU MLP), on these engine ops.
 
     `p` holds q, k, v, o, f1, f2 as {"w": (in, out), "b": (out,)} and ln1, ln2 as
-    {"g", "b"}; x is (batch, sequence, d). A reference model for parity tests,
-    benchmarks and notebooks.
+    {"g", "b"}; x is (batch, sequence, d); `eps` is the layer norms' (BERT's is 1e-12).
+    A reference model for parity tests, benchmarks and notebooks.
     """
     import jax.numpy as jnp
 
@@ -150,5 +150,5 @@ def encoder_block(p, x, heads: int = 4):
     q, k, v = split(lin(x, "q")), split(lin(x, "k")), split(lin(x, "v"))
     scores = jnp.einsum("bhsd,bhtd->bhst", q, k) * (1.0 / dh ** 0.5)
     a = jnp.einsum("bhst,bhtd->bhsd", softmax(scores, axis=-1), v).transpose(0, 2, 1, 3).reshape(b, s, d)
-    x = layer_norm(x + lin(a, "o"), p["ln1"]["g"], p["ln1"]["b"])
-    return layer_norm(x + lin(gelu(lin(x, "f1")), "f2"), p["ln2"]["g"], p["ln2"]["b"])
+    x = layer_norm(x + lin(a, "o"), p["ln1"]["g"], p["ln1"]["b"], eps=eps)
+    return layer_norm(x + lin(gelu(lin(x, "f1")), "f2"), p["ln2"]["g"], p["ln2"]["b"], eps=eps)
