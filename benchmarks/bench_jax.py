@@ -25,7 +25,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import median_time
+from timing import best_of_rounds
 
 import sidra_core
 import sidra_jax as sj
@@ -107,11 +107,7 @@ def bench(name, fn, params, x, repeat: int, rounds: int = 3) -> dict:
         keep.append(prog)
         row[chip_name] = {"first_call_s": first, "device_us": (c1.cost.latency_s - c0.cost.latency_s) * 1e6,
                           "device_uJ": (c1.energy_j - c0.energy_j) * 1e6}
-    # Interleaved rounds (the machine may be shared): each variant keeps its best median.
-    best = dict.fromkeys(timed, float("inf"))
-    for _ in range(rounds):
-        for k, t in timed.items():
-            best[k] = min(best[k], median_time(t, repeat, warmup=3))
+    best = best_of_rounds(timed, repeat, rounds, warmup=3)
     for chip_name in ("int8", "y1"):
         row[chip_name].update(plain_ms=best["plain"] * 1e3, sidra_ms=best[chip_name] * 1e3,
                               kernels_ms=best[chip_name + " kernels"] * 1e3,
