@@ -119,6 +119,23 @@ def test_minilm_real_weights_compiled_equals_eager(restore_chip, chip):
     assert max_abs_diff(got, ref) <= 1e-5
 
 
+def test_compiled_reads_a_changed_data_weight(int8):
+    """Weights read as data (layer norm scale, embeddings) are converted once per version: an in-place
+    update between compiled calls is seen, as eager sees it."""
+    model = _bert().to(D)
+    inputs = _text_inputs()
+    out = MODELS["bert"][2]
+    _, _, compiled = _eager_and_compiled(model, inputs, out)
+    with torch.no_grad():
+        model.encoder.layer[0].attention.output.LayerNorm.weight.mul_(-2.0)
+        model.embeddings.word_embeddings.weight[:50] += 0.5
+        ref = out(model(**inputs))
+        got = out(compiled(**inputs))
+        stale = out(torch.compile(_bert().to(D), backend="sidra")(**inputs))
+    assert max_abs_diff(got, ref) <= 1e-5
+    assert max_abs_diff(got, stale) > 1e-2  # the update changed the output
+
+
 def _plan():
     return next(reversed(compiled_graphs()[-1].plans.values()))
 

@@ -100,7 +100,7 @@ class Plan:
         self._dead = _weight_operands_only(self.graph)
         self._fns = [None if s.eager else self._jit(s) for s in self.segments]
         self._views: dict = {}   # (input index, chain) -> (weight object, its view)
-        self._arrays: dict = {}  # input index -> (version, jax array) of weights read as data
+        self._arrays: dict = {}  # placeholder -> (version, jax array) of weights read as data
 
     # -- lowering ---------------------------------------------------------------
 
@@ -186,12 +186,12 @@ class Plan:
         v = env[node]
         if isinstance(v, jax.Array):
             return v
-        if node.op == "placeholder" and isinstance(v, _t.SidraTensor) and weight_base(v) is not None:
-            i = self.placeholders.index(node)
-            ver = _version(weight_base(v))
-            hit = self._arrays.get(i)
+        base = weight_base(v) if node.op == "placeholder" and isinstance(v, _t.SidraTensor) else None
+        if base is not None:  # a weight read as data: converted once per version
+            ver = _version(base)
+            hit = self._arrays.get(node)
             if hit is None or hit[0] != ver:
-                self._arrays[i] = hit = (ver, _to_jax(v))
+                self._arrays[node] = hit = (ver, _to_jax(v))
             return hit[1]
         return _to_jax_tree(v)
 
