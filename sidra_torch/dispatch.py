@@ -32,6 +32,7 @@ from sidra_core import conv_weight_matrix, cost
 from sidra_core.engine import STORAGE
 
 from . import runtime
+from .dlpack import to_jax
 from .weights import resident, weight_base
 
 aten = torch.ops.aten
@@ -47,7 +48,7 @@ _warned_dtypes: set = set()
 def _to_jax(t: torch.Tensor):
     if t.dtype != torch.float32:
         t = t.to(torch.float32)
-    return jax.dlpack.from_dlpack(t.detach().contiguous())
+    return to_jax(t.detach().contiguous())
 
 
 def _to_torch(a, dtype=torch.float32) -> torch.Tensor:

@@ -27,6 +27,7 @@ from sidra_core.conv import weight_matrix as conv_weight_matrix
 from sidra_core.report import OpRecord
 
 from .. import runtime
+from ..dlpack import to_jax
 from .. import tensor as _t
 from ..weights import _version, programmed_on, resident, weight_base
 from . import passes
@@ -274,7 +275,7 @@ def _to_jax(t: torch.Tensor):
         inner = inner.to(torch.int32)
     elif inner.dtype == torch.float64:
         inner = inner.to(torch.float32)
-    return jax.dlpack.from_dlpack(inner.detach().contiguous())
+    return to_jax(inner.detach().contiguous())
 
 
 def _to_jax_tree(v):

@@ -1,0 +1,59 @@
+"""sidra_torch.dlpack: torch -> JAX without a copy, through jaxlib's import or the public path."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from sidra_torch import dlpack
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A module state that has not checked the fast import yet (restored after)."""
+    monkeypatch.setattr(dlpack, "_state", {"checked": False})
+    return dlpack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bool])
+def test_to_jax_shares_memory(fresh, dtype):
+    t = (torch.arange(24).reshape(2, 3, 4) % 3).to(dtype)
+    a = fresh.to_jax(t)
+    assert isinstance(a, jax.Array) and a.shape == (2, 3, 4)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()  # zero-copy
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+
+
+def test_the_fast_import_is_used_when_it_agrees(fresh):
+    if fresh._IMPORT is None:
+        pytest.skip("this jaxlib has no DLPack import with the checked signature")
+    calls = []
+    real = fresh._IMPORT
+    fresh._IMPORT = lambda *a: calls.append(1) or real(*a)
+    try:
+        fresh.to_jax(torch.ones(3))
+        fresh.to_jax(torch.ones(5))
+    finally:
+        fresh._IMPORT = real
+    assert len(calls) == 3  # the check, then each call
+
+
+def test_a_failing_fast_import_falls_back_for_good(fresh, monkeypatch):
+    def broken(*_):
+        raise TypeError("signature changed")
+
+    monkeypatch.setattr(fresh, "_IMPORT", broken)
+    t = torch.randn(4, 5)
+    a = fresh.to_jax(t)
+    assert fresh._IMPORT is None  # disabled after the failed check
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+
+
+def test_a_disagreeing_fast_import_is_not_used(fresh, monkeypatch):
+    monkeypatch.setattr(fresh, "_IMPORT", lambda capsule, *_: jax.numpy.zeros(1))  # wrong array
+    t = torch.randn(2, 2)
+    np.testing.assert_array_equal(np.asarray(fresh.to_jax(t)), t.numpy())
+    assert fresh._IMPORT is None
