@@ -138,6 +138,20 @@ def engine_matmul(batch: int, m: int, k: int, n: int, spec: ChipSpec) -> Cost:
     return _engine_ops(2 * batch * m * k * n, batch * (m * k + k * n + 4 * m * n), spec)
 
 
+def attention_dims(q_shape, k_shape, v_shape) -> tuple[int, int, int, int, int]:
+    """(batch, seq_q, dim, seq_k, dim_v) of attention over q (..., L, E), k (..., S, E), v (..., S, Ev)."""
+    batch = int(np.prod(np.broadcast_shapes(tuple(q_shape[:-2]), tuple(k_shape[:-2])), dtype=np.int64))
+    return batch, int(q_shape[-2]), int(q_shape[-1]), int(k_shape[-2]), int(v_shape[-1])
+
+
+def attention(batch: int, seq_q: int, dim: int, seq_k: int, dim_v: int, spec: ChipSpec) -> tuple[Cost, ...]:
+    """Scaled dot-product attention on the engine, as its ops one by one: the q k^T matmul, the
+    masked scores' element-wise pass, the softmax, the matmul with v."""
+    scores = batch * seq_q * seq_k
+    return (engine_matmul(batch, seq_q, dim, seq_k, spec), engine("elementwise", scores, spec),
+            engine("softmax", scores, spec), engine_matmul(batch, seq_q, seq_k, dim_v, spec))
+
+
 def _engine_ops(ops: int, io_bytes: int, spec: ChipSpec) -> Cost:
     e = spec.engine
     return Cost(

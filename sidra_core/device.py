@@ -240,6 +240,16 @@ class Chip:
         self.clock.charge(cost.engine_matmul(nb, m, kk, n, self.spec), engine_ops=1)
         return y
 
+    def attention(self, q, k, v, mask=None, *, scale: float, causal: bool = False):
+        """Scaled dot-product attention on the engine (q, k, v: (..., L, E)); charges its two
+        matmuls, the masked scores' element-wise pass and the softmax, as the ops one by one."""
+        e = self.spec.engine
+        y = engine.attention(q, k, v, mask, scale=float(scale), causal=bool(causal), precision=e.precision,
+                             mode=e.matmul)
+        for c in cost.attention(*cost.attention_dims(np.shape(q), np.shape(k), np.shape(v)), self.spec):
+            self.clock.charge(c, engine_ops=1)
+        return y
+
     def charge_memory(self, nbytes: int, level: str = "dram") -> None:
         """Data movement in device memory: `sram` for activations, `dram` for stored tensors."""
         self.clock.charge(cost.memory(nbytes, self.spec, level), memory_ops=1)

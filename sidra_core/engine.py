@@ -183,3 +183,21 @@ def matmul(a, b, mode: str = "int8"):
     # the INT32 MAC result (exact up to K = 1040) at bf16 matmul speed.
     acc = jnp.matmul(qa.astype(jnp.bfloat16), qb.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     return acc * sa * sb
+
+
+@partial(jax.jit, static_argnames=("scale", "causal", "precision", "mode"))
+def attention(q, k, v, mask=None, *, scale: float, causal: bool = False, precision: str = "fp32",
+              mode: str = "int8"):
+    """Scaled dot-product attention as the engine runs it, in one program: the q k^T matmul, scaled,
+    masked (a bool mask is -inf where False, a float mask is added; `causal` hides later keys),
+    stored in the engine format, softmax, zeros for rows masked throughout, the matmul with v."""
+    s = matmul(q, jnp.swapaxes(k, -1, -2), mode) * scale
+    if causal:
+        seq_q, seq_k = s.shape[-2], s.shape[-1]
+        s = jnp.where(jnp.tril(jnp.ones((seq_q, seq_k), bool)), s, -jnp.inf)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf) if mask.dtype == jnp.bool_ else s + mask
+    s = round_to(s, precision)
+    p = softmax(s, axis=-1, precision=precision)
+    p = jnp.where(jnp.all(s == -jnp.inf, axis=-1, keepdims=True), 0.0, p)
+    return matmul(p, v, mode)

@@ -178,6 +178,32 @@ def _register_copy_kernels():
     _LIBS.append(lib)
 
 
+def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                   enable_gqa=False):
+    """scaled_dot_product_attention at the autograd key of sidra tensors.
+
+    PyTorch picks a fused attention kernel through a C++ dispatch stub a Python backend cannot fill,
+    so on the device it would always decompose into the math path's ops. Without gradients to record,
+    attention the engine runs whole (`dispatch.fused_attention`) goes on to the device as one op (one
+    program), as under inference_mode and as CUDA runs its fused kernels; the rest, the math
+    decomposition as before.
+    """
+    from .dispatch import fused_attention
+
+    op = torch.ops.aten.scaled_dot_product_attention.default
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))
+    if grads or not fused_attention(query, key, value, attn_mask, dropout_p, enable_gqa):
+        return op.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def _register_sdpa():
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    lib.impl("scaled_dot_product_attention", _sdpa_autograd, "AutogradPrivateUse1")
+    _LIBS.append(lib)
+
+
 def _register_autocast():
     lib = torch.library.Library("_", "IMPL")  # noqa: TOR901
     lib.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
@@ -217,6 +243,7 @@ def register() -> None:
         _register_factories()
         _register_copy_kernels()
         _register_autocast()
+        _register_sdpa()
         from . import serialization
 
         serialization.register()

@@ -401,12 +401,33 @@ def sdpa(func, args, uargs, ukwargs):
     if vals.get("dropout_p", 0.0) or vals.get("enable_gqa", False):
         return host(func, args, uargs, ukwargs)
     scale = vals.get("scale") or 1.0 / float(np.sqrt(q.shape[-1]))
+    mask, causal = vals.get("attn_mask"), bool(vals.get("is_causal"))
+    if fused_attention(q, k, v, mask):  # the engine's attention kernel: the ops of _sdpa_ops in one program
+        chip = runtime.current_chip()
+        y = chip.attention(_to_jax(q), _to_jax(k), _to_jax(v),
+                           None if mask is None else to_jax(mask.detach().contiguous()),  # bool stays bool
+                           scale=scale, causal=causal)
+        return _to_torch(y)
+    return _sdpa_ops(q, k, v, mask, scale, causal)
+
+
+def fused_attention(q, k, v, mask=None, dropout_p: float = 0.0, enable_gqa: bool = False) -> bool:
+    """Attention the engine runs as one kernel: float32 throughout, no dropout or grouped heads, a
+    mask that does not widen the scores. The rule eager dispatch and the compiled capture share."""
+    if dropout_p or enable_gqa or any(t.dtype != torch.float32 for t in (q, k, v)):
+        return False
+    if mask is None:
+        return True
+    scores = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
+    return mask.dtype in (torch.bool, torch.float32) and torch.broadcast_shapes(mask.shape, scores) == scores
+
+
+def _sdpa_ops(q, k, v, mask, scale: float, causal: bool):
+    """Attention as engine ops one by one, each result in the inputs' dtype (float16 / bfloat16 models)."""
     scores = _engine_matmul(q, k.transpose(-2, -1)) * scale
-    mask = vals.get("attn_mask")
-    if vals.get("is_causal"):
+    if causal:
         L, S = q.shape[-2], k.shape[-2]
-        causal = torch.ones(L, S, dtype=torch.bool).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     scores = _elementwise_finish(scores, scores.numel())

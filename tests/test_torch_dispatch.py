@@ -175,6 +175,59 @@ def test_sdpa_runs_on_the_engine(ideal, mode):
     assert_close(y, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
+@pytest.mark.parametrize("chip", ["y1", "int8"])
+@pytest.mark.parametrize("masking", ["none", "bool", "float", "causal"])
+def test_sdpa_in_one_program_equals_the_engine_ops_one_by_one(restore_chip, chip, masking):
+    """float32 attention runs as one engine program; it gives what the ops one by one give, bit for bit,
+    fully masked rows included, and charges the same device time and energy."""
+    from sidra_torch import dispatch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 8, generator=g) * 3 for _ in range(3))
+    mask = None
+    if masking == "bool":
+        mask = torch.rand(2, 1, 6, 6, generator=g) > 0.3
+        mask[0, 0, 2] = False  # a row masked throughout
+    elif masking == "float":
+        mask = torch.where(torch.rand(2, 1, 1, 6, generator=g) > 0.3, 0.0, torch.finfo(torch.float32).min)
+    causal = masking == "causal"
+    with sidra_torch.use_chip(chip), torch.inference_mode():  # sdpa arrives whole (not decomposed)
+        qd, kd, vd = q.to(D), k.to(D), v.to(D)
+        md = None if mask is None else mask.to(D)
+        with Delta() as one:
+            y = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md, is_causal=causal)
+        with Delta() as ops:
+            ref = sidra_torch.wrap(dispatch._sdpa_ops(*(sidra_torch.unwrap(t) for t in (qd, kd, vd)),
+                                                      None if md is None else sidra_torch.unwrap(md),
+                                                      1.0 / 8 ** 0.5, causal))
+    assert torch.equal(y.cpu(), ref.cpu())
+    keys = [key for key in one.after if isinstance(one.after[key], (int, float))]
+    assert {key: one[key] for key in keys} == pytest.approx({key: ops[key] for key in keys}, rel=1e-9)
+    assert one["engine_ops"] == 4 and one["fallback_ops"] == 0
+    if masking == "bool":
+        assert torch.all(y.cpu()[0, 0, 2] == 0)
+
+
+def test_sdpa_without_gradients_runs_whole_and_with_them_decomposes(int8):
+    """Under no_grad, float32 attention reaches the device as one op, as under inference_mode (PyTorch
+    itself would decompose it); other dtypes, and calls that record gradients, take the math path."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g) for _ in range(3))
+    qd, kd, vd = q.to(D), k.to(D), v.to(D)
+    with torch.inference_mode():
+        ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+    with torch.no_grad(), Delta() as whole:
+        y = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+    assert torch.equal(y.cpu(), ref.cpu()) and whole["engine_ops"] == 4
+    with torch.no_grad(), Delta() as half:
+        F.scaled_dot_product_attention(qd.half(), kd.half(), vd.half(), is_causal=True)
+    assert half["engine_ops"] > 4  # float16: the math path's ops one by one
+    qg = q.clone().requires_grad_(True)
+    with Delta() as grad:
+        F.scaled_dot_product_attention(qg.to(D), kd, vd, is_causal=True).sum().backward()
+    assert grad["engine_ops"] > 4 and qg.grad is not None and float(qg.grad.abs().sum()) > 0
+
+
 def test_safe_softmax_fully_masked_row_is_zero_eager_and_compiled(ideal):
     x = torch.randn(3, 5)
     x[1] = float("-inf")

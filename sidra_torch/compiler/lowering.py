@@ -345,6 +345,18 @@ def _safe_softmax(ctx, node, x, dim, dtype=None):
     return _cast(engine.softmax(_f32(x), axis=int(dim), precision=ctx.spec.engine.precision, safe=True), node)
 
 
+@_reg(aten._scaled_dot_product_flash_attention_for_cpu.default, "engine", "attention")
+def _attention(ctx, node, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """Attention the capture kept whole (program.DECOMPOSITIONS): eager's engine kernel. The
+    logsumexp output (for a backward pass) is not computed."""
+    e = ctx.spec.engine
+    s = scale or 1.0 / float(np.sqrt(q.shape[-1]))
+    y = engine.attention(_f32(q), _f32(k), _f32(v), attn_mask, scale=s, causal=bool(is_causal),
+                         precision=e.precision, mode=e.matmul)
+    lse = node.meta["val"][1]
+    return y, jnp.zeros(tuple(lse.shape), jnp_dtype(lse.dtype))
+
+
 @_reg(aten.native_layer_norm.default, "engine", "layer_norm")
 def _layer_norm(ctx, node, x, shape, w, b, eps):
     # with mean and 1/std: the statistics autograd would save (dead in an inference graph)

@@ -380,6 +380,10 @@ def _price_node(n, spec) -> OpPrice | None:
             if n.target is aten.addmm.default:
                 c = c + cost.engine("elementwise", out.numel(), spec)
             return OpPrice(name, "engine", Stage(c, launch, nb * m, barrier=True), {"engine_ops": 1})
+        if low.engine_op == "attention":  # priced as its ops, as eager charges them
+            parts = cost.attention(*cost.attention_dims(*(_meta(a).shape for a in n.args[:3])), spec)
+            return OpPrice(name, "engine", Stage(sum(parts[1:], parts[0]), launch, _rows(out[0]), barrier=True),
+                           {"engine_ops": len(parts)})
         if low.kind == "engine":
             c = cost.engine(low.engine_op, _numel(_meta(n.args[0])), spec)
         else:

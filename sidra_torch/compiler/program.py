@@ -27,6 +27,7 @@ from sidra_core.conv import weight_matrix as conv_weight_matrix
 from sidra_core.report import OpRecord
 
 from .. import runtime
+from ..dispatch import fused_attention
 from ..dlpack import to_jax
 from .. import tensor as _t
 from ..weights import _version, programmed_on, resident, weight_base
@@ -35,9 +36,20 @@ from .lowering import TABLE
 
 aten = torch.ops.aten
 
-# Decompositions applied while capturing: the CPU's fused attention kernel becomes the
-# math formulation that eager dispatch on sidra:0 sees (matmuls and a safe softmax).
-DECOMPOSITIONS = {op: decomposition_table[op] for op in (aten._scaled_dot_product_flash_attention_for_cpu.default,)}
+_CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _cpu_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """The CPU's fused attention in the capture: kept whole where eager on sidra:0 runs the engine's
+    attention kernel (lowered to the same kernel), else the math formulation eager dispatch sees."""
+    if fused_attention(query, key, value, attn_mask, dropout_p):
+        return NotImplemented
+    return decomposition_table[_CPU_ATTENTION](query, key, value, dropout_p, is_causal, attn_mask=attn_mask,
+                                               scale=scale)
+
+
+# Decompositions applied while capturing (NotImplemented: the op stays whole).
+DECOMPOSITIONS = {_CPU_ATTENTION: _cpu_attention}
 
 RECOMPILE_WARN = 8  # distinct input signatures of one graph before we say so
 
