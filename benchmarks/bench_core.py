@@ -1,8 +1,9 @@
 """sidra_core benchmarks: analog linear against a float32 matmul, and ISPP of BERT-base.
 
-Run: python benchmarks/bench_core.py [--mvm] [--ispp] [--repeat N]
+Run: python benchmarks/bench_core.py [--mvm] [--ispp] [--repeat N] [--rounds R]
 Prints ratios measured in this run; the machine is noisy, so each timing is
-the median of several repeats after warm-up.
+the best median of repeats over interleaved rounds (the three variants of a
+shape take turns, so a drift in the machine's speed hits all alike).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import median_time
+from timing import best_of_rounds
 
 import sidra_core as sc
 
 
-def bench_mvm(repeat: int) -> list[dict]:
+def bench_mvm(repeat: int, rounds: int) -> list[dict]:
     import torch
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -36,9 +37,12 @@ def bench_mvm(repeat: int) -> list[dict]:
             xj, wj = jnp.asarray(x), jnp.asarray(w)
             xt, wt = torch.from_numpy(x), torch.from_numpy(w)
             dot = jax.jit(jnp.dot)
-            t_torch = median_time(lambda: torch.matmul(xt, wt), repeat, warmup=2)
-            t_jax = median_time(lambda: dot(xj, wj).block_until_ready(), repeat, warmup=2)
-            t_sidra = median_time(lambda: chip.linear(res, xj).block_until_ready(), repeat, warmup=2)
+            best = best_of_rounds({
+                "torch": lambda: torch.matmul(xt, wt),
+                "jax": lambda: dot(xj, wj).block_until_ready(),
+                "sidra": lambda: chip.linear(res, xj).block_until_ready(),
+            }, repeat, rounds)
+            t_torch, t_jax, t_sidra = best["torch"], best["jax"], best["sidra"]
             base = min(t_torch, t_jax)
             rows_out.append({
                 "shape": f"{rows}x{k} @ {k}x{n}", "torch_ms": t_torch * 1e3, "jax_ms": t_jax * 1e3,
@@ -80,12 +84,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mvm", action="store_true", help="only the analog linear benchmark")
     ap.add_argument("--ispp", action="store_true", help="only the ISPP programming benchmark")
     ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args(argv)
     both = not (a.mvm or a.ispp)
     if a.mvm or both:
         print("y1 analog linear (DAC, per-tile read noise, drift, stuck cells, ADC) vs float32 matmul")
         print(f"{'shape':<22}{'torch ms':>10}{'jax ms':>10}{'sidra ms':>10}{'ratio':>8}  (target <= 2.0, stretch 1.5)")
-        for r in bench_mvm(a.repeat):
+        for r in bench_mvm(a.repeat, a.rounds):
             print(f"{r['shape']:<22}{r['torch_ms']:>10.2f}{r['jax_ms']:>10.2f}{r['sidra_y1_ms']:>10.2f}{r['ratio']:>8.2f}")
     if a.ispp or both:
         r = bench_ispp()
