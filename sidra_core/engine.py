@@ -197,7 +197,6 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool = False, precisi
         s = jnp.where(jnp.tril(jnp.ones((seq_q, seq_k), bool)), s, -jnp.inf)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf) if mask.dtype == jnp.bool_ else s + mask
-    s = round_to(s, precision)
-    p = softmax(s, axis=-1, precision=precision)
-    p = jnp.where(jnp.all(s == -jnp.inf, axis=-1, keepdims=True), 0.0, p)
+    # rows masked throughout give zeros: the safe softmax tells them by their maximum (one pass fewer)
+    p = softmax(round_to(s, precision), axis=-1, precision=precision, safe=True)
     return matmul(p, v, mode)
