@@ -257,3 +257,30 @@ def test_softmax_over_an_empty_axis_is_empty():
     for safe in (False, True):
         assert engine.softmax(jnp.zeros((3, 0)), safe=safe).shape == (3, 0)
         assert engine.softmax(jnp.zeros((0, 4)), axis=0, precision="fp16", safe=safe).shape == (0, 4)
+
+
+@pytest.mark.parametrize("masking", ["none", "bool", "float", "causal"])
+def test_attention_at_fp32_is_exact_attention(masking):
+    """engine.attention at fp32 precision and fp32 matmuls is softmax(q k^T * scale + mask) v; rows
+    masked throughout give zeros."""
+    rs = np.random.default_rng(0)
+    q, k, v = (rs.standard_normal((2, 3, 5, 4)).astype(np.float32) for _ in range(3))
+    s = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k) * 0.5
+    mask = None
+    if masking == "bool":
+        mask = rs.random((2, 1, 5, 5)) > 0.3
+        mask[1, 0, 3] = False
+        s = np.where(mask, s, -np.inf)
+    elif masking == "float":
+        mask = np.where(rs.random((2, 1, 1, 5)) > 0.3, 0.0, -np.inf).astype(np.float32)
+        s = s + mask
+    elif masking == "causal":
+        s = np.where(np.tril(np.ones((5, 5), bool)), s, -np.inf)
+    with np.errstate(invalid="ignore"):
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p = np.nan_to_num(p / p.sum(-1, keepdims=True))
+    ref = p @ v
+    y = engine.attention(q, k, v, mask, scale=0.5, causal=masking == "causal", precision="fp32", mode="fp32")
+    np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5)
+    if masking == "bool":
+        assert np.all(np.asarray(y)[1, :, 3] == 0)
