@@ -20,17 +20,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from floors import mvm_program
 from timing import best_of_rounds
 
 import sidra_core
 import sidra_jax as sj
 import sidra_jax.nn as snn
-from sidra_core.host import XLA_COMPILER_OPTIONS
 
 
 def mlp(p, x):
@@ -67,22 +66,16 @@ def _kernels_only(f, prog, x, chip):
     snapshots and settings): the floor sidra_jax cannot go below without changing sidra_core's kernel."""
     plan = f.plan(prog, x)
     slots = [w.slot for w in jax.tree.leaves(prog, is_leaf=sj.is_weight)]
-    snaps = tuple(chip.snapshot(slots[w.leaf].fresh(w.key)) for w in plan.wrefs)
-    shapes = [(ins.wref, ins.meta["wref"].k) for ins in plan.instrs if ins.kind == "mvm"]
-    kw = sidra_core.crossbar.mvm_kwargs(chip.spec)
-    xs = []
+    snaps = [chip.snapshot(slots[w.leaf].fresh(w.key)) for w in plan.wrefs]
+    calls, xs = [], []
+    rs = np.random.default_rng(0)
     for ins in plan.instrs:
         if ins.kind == "mvm":
             k = ins.meta["wref"].k
             n_rows = ins.counts["tile_reads"] // sidra_core.tile_grid(k, ins.meta["wref"].n, chip.spec).tiles
-            xs.append(jnp.asarray(np.random.default_rng(0).standard_normal((n_rows, k)).astype(np.float32)))
-
-    @partial(jax.jit, compiler_options=XLA_COMPILER_OPTIONS)  # compiled as sidra_jax compiles its programs
-    def run(snaps, xs, seeds):
-        return [sidra_core.crossbar.mvm(snaps[w], x, seeds[i], **kw) for i, ((w, _), x) in enumerate(zip(shapes, xs))]
-
-    seeds = jnp.arange(len(xs), dtype=jnp.uint32)
-    return lambda: jax.block_until_ready(run(snaps, xs, seeds))
+            calls.append(snaps[ins.wref])
+            xs.append(rs.standard_normal((n_rows, k)))
+    return mvm_program(chip.spec, calls, xs)
 
 
 def bench(name, fn, params, x, repeat: int, rounds: int = 3) -> dict:

@@ -51,9 +51,6 @@ def plain_jax(model):
 def mvm_floor(chip, forward):
     """A callable that runs the MVMs one call of `forward` (eager, on `chip`) makes, as it makes
     them (weight and rows recorded), alone in one jitted program."""
-    from sidra_core import crossbar
-    from sidra_core.host import XLA_COMPILER_OPTIONS
-
     calls = []
     linear = chip.linear
 
@@ -67,11 +64,20 @@ def mvm_floor(chip, forward):
     finally:
         del chip.linear
     rs = np.random.default_rng(0)
-    snaps = [chip.snapshot(res) for res, _ in calls]
-    xs = [jnp.asarray(rs.standard_normal((rows, res.shape[0])), jnp.float32) for res, rows in calls]
-    seeds = jnp.arange(len(calls), dtype=jnp.uint32)
-    kw = crossbar.mvm_kwargs(chip.spec)
+    return mvm_program(chip.spec, [chip.snapshot(res) for res, _ in calls],
+                       [rs.standard_normal((rows, res.shape[0])) for res, rows in calls])
+
+
+def mvm_program(spec, snaps, xs):
+    """A callable that runs `crossbar.mvm` of each snapshot on its input (random rows), each with
+    its own noise seed, in one jitted program compiled as the bridges compile theirs."""
+    from sidra_core import crossbar
+    from sidra_core.host import XLA_COMPILER_OPTIONS
+
+    xs = [jnp.asarray(x, jnp.float32) for x in xs]
+    seeds = jnp.arange(len(xs), dtype=jnp.uint32)
+    kw = crossbar.mvm_kwargs(spec)
     run = jax.jit(lambda snaps, xs, seeds: [crossbar.mvm(s, x, seeds[i], **kw)
                                             for i, (s, x) in enumerate(zip(snaps, xs))],
-                  compiler_options=XLA_COMPILER_OPTIONS)  # as the bridges compile their programs
+                  compiler_options=XLA_COMPILER_OPTIONS)
     return lambda: jax.block_until_ready(run(snaps, xs, seeds))
