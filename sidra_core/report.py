@@ -140,8 +140,7 @@ def render_table(rows, total: Cost, host_s: float) -> str:
     for col, justify in (("Name", "left"), ("Where", "left"), ("# Calls", "right"), ("Device total", "right"),
                          ("Device avg", "right"), ("Device %", "right"), ("Energy", "right"),
                          ("Energy %", "right"), ("Host bytes", "right"), ("Host sim time", "right")):
-        # long op names (sidra::scaled_dot_product_attention) end in an ellipsis: the table stays narrow
-        t.add_column(col, justify=justify, max_width=30 if col == "Name" else None, overflow="ellipsis")
+        t.add_column(col, justify=justify)
     tot_t = total.latency_s or 1.0
     tot_e = total.energy_j or 1.0
     for s in rows:

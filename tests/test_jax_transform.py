@@ -514,3 +514,19 @@ def test_outer_jit_warns_that_seeds_are_frozen():
         y = jax.jit(lambda p, x: f(p, x))(p, jnp.ones((1, 2)))
     assert any("outer jax.jit" in str(r.message) for r in rec)
     np.testing.assert_allclose(np.asarray(y), [[2.0, 2.0]])
+
+
+def test_encoder_block_uses_its_layer_norm_eps():
+    """With the projections zeroed the block is layer_norm(layer_norm(x)); `eps` reaches both."""
+    d, f = 8, 16
+    zero = lambda k, n: {"w": np.zeros((k, n), np.float32), "b": np.zeros(n, np.float32)}  # noqa: E731
+    one = {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)}
+    p = {"q": zero(d, d), "k": zero(d, d), "v": zero(d, d), "o": zero(d, d), "f1": zero(d, f), "f2": zero(f, d),
+         "ln1": one, "ln2": one}
+    x = np.random.default_rng(0).standard_normal((2, 3, d)).astype(np.float32)
+
+    def ln(t, eps):
+        return (t - t.mean(-1, keepdims=True)) / np.sqrt(t.var(-1, keepdims=True) + eps)
+
+    got = np.asarray(snn.encoder_block(jax.tree.map(jnp.asarray, p), jnp.asarray(x), heads=2, eps=0.5))
+    np.testing.assert_allclose(got, ln(ln(x, 0.5), 0.5), atol=1e-5)
