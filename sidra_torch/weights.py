@@ -182,8 +182,10 @@ def _count_write(t) -> None:
 
 
 def _version(base) -> tuple:
-    inner = base._inner
-    return (base._version, base.__dict__.get(_WRITES, 0), id(inner))
+    # An inference tensor (a model moved under torch.inference_mode) has no version counter; the
+    # in-place writes that reach the device are still counted (_count_write).
+    version = -1 if base.is_inference() else base._version
+    return (version, base.__dict__.get(_WRITES, 0), id(base._inner))
 
 
 def matrix(view, transpose: bool) -> np.ndarray:

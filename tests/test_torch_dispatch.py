@@ -595,6 +595,21 @@ def test_inplace_write_through_a_view_reprograms(ideal):
     assert_close(lin(x), ref)
 
 
+def test_model_moved_under_inference_mode_runs_and_sees_inplace_writes(ideal):
+    # Its weights are inference tensors, which have no version counter.
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        ref = lin(x)
+    with torch.inference_mode():
+        dev = lin.to(D)
+        assert dev.weight.is_inference()
+        assert_close(dev(x.to(D)), ref)
+        dev.weight.add_(1.0)
+        assert_close(dev(x.to(D)), F.linear(x, dev.weight.cpu(), dev.bias.cpu()))
+
+
 @pytest.mark.parametrize("how", ["copy_", "fill_", "manual_sgd"])
 def test_write_through_param_data_reprograms(ideal, how):
     torch.manual_seed(0)
