@@ -31,7 +31,7 @@ import torch
 from sidra_core import conv_weight_matrix, cost
 from sidra_core.engine import STORAGE
 
-from . import runtime
+from . import rnn, runtime
 from .dlpack import to_jax
 from .weights import resident, weight_base
 
@@ -104,7 +104,7 @@ def host(func, args, uargs, ukwargs):
     """Run on the host CPU (with the caller's torch threads): the inputs go over the host link,
     the result comes back."""
     with runtime.users_torch_threads():
-        out = func._op(*uargs, **ukwargs)
+        out = HOST_ONLY_ON_ACCELERATORS.get(func, func._op)(*uargs, **ukwargs)
     chip = runtime.current_chip()
     chip.charge_host(nbytes(uargs) + nbytes(ukwargs.values()) + nbytes(out), transfers=2, fallback=True)
     return out
@@ -453,6 +453,28 @@ def memory(func, args, uargs, ukwargs):
 # The table
 
 
+def _fused_cell(cell):
+    """A fused RNN cell's forward on the engine: its non-linearities are engine kernels, its other
+    element-wise results stored (and priced) as the engine's."""
+
+    def run(func, args, uargs, ukwargs):
+        return cell(*uargs, **ukwargs, act=lambda name, x: _engine_op(name, x),
+                    fin=lambda x: _elementwise_finish(x, x.numel()))
+
+    run.__name__ = cell.__name__
+    return run
+
+
+# Ops PyTorch has only for CUDA-like devices (an RNN on an accelerator calls them; the CPU has no
+# kernel): the host runs these instead, in a backward pass or an unsupported dtype.
+HOST_ONLY_ON_ACCELERATORS = {
+    aten._thnn_fused_lstm_cell.default: rnn.lstm_cell,
+    aten._thnn_fused_lstm_cell_backward_impl.default: rnn.lstm_cell_backward,
+    aten._thnn_fused_gru_cell.default: rnn.gru_cell,
+    aten._thnn_fused_gru_cell_backward.default: rnn.gru_cell_backward,
+}
+
+
 def _ops(*names):
     out = []
     for n in names:
@@ -484,6 +506,8 @@ ENGINE = {
     aten._native_batch_norm_legit_no_training.default: batch_norm_inference,
     aten.native_batch_norm.default: native_batch_norm,
     aten.scaled_dot_product_attention.default: sdpa,
+    aten._thnn_fused_lstm_cell.default: _fused_cell(rnn.lstm_cell),
+    aten._thnn_fused_gru_cell.default: _fused_cell(rnn.gru_cell),
 }
 
 ELEMENTWISE = _ops(
