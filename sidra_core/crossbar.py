@@ -116,18 +116,24 @@ def _conductance_pair(codes: np.ndarray, target_w, spec: ChipSpec):
     if target_w is not None:
         return np.maximum(target_w, 0).astype(np.float32), np.maximum(-target_w, 0).astype(np.float32)
     t = spec.tile
-    dg = (t.g_max - t.g_min) / QMAX
-    c = codes.astype(np.float32)
-    return (t.g_min + np.maximum(c, 0) * dg).astype(np.float32), (t.g_min + np.maximum(-c, 0) * dg).astype(np.float32)
+    dg, g_min = np.float32((t.g_max - t.g_min) / QMAX), np.float32(t.g_min)
+
+    def plane(c):  # g_min + max(c, 0) dG in float32, in place (these arrays are the size of the weight)
+        np.maximum(c, 0, out=c)
+        c *= dg
+        c += g_min
+        return c
+
+    return plane(codes.astype(np.float32)), plane(np.negative(codes, dtype=np.float32))
 
 
 def _cell_ids(grid: TileGrid, tile_ids: tuple[int, ...]) -> np.ndarray:
     """Physical id of every cell of the padded grid: tile index x cells + row x cols + col."""
-    kp, np_ = grid.k_padded, grid.n_padded
-    r = np.arange(kp, dtype=np.uint32)[:, None]
-    c = np.arange(np_, dtype=np.uint32)[None, :]
-    tile = np.asarray(tile_ids, np.uint32)[(r // grid.rows) * grid.grid_n + (c // grid.cols)]
-    return (tile * np.uint32(grid.rows * grid.cols) + (r % grid.rows) * np.uint32(grid.cols) + (c % grid.cols)).astype(np.uint32)
+    rows, cols = grid.rows, grid.cols
+    tile = np.asarray(tile_ids, np.uint32).reshape(grid.grid_k, 1, grid.grid_n, 1) * np.uint32(rows * cols)
+    within = np.arange(rows, dtype=np.uint32)[:, None] * np.uint32(cols) + np.arange(cols, dtype=np.uint32)
+    # (grid_k, rows, grid_n, cols) is the padded grid's row-major layout: one broadcast add
+    return (tile + within[None, :, None, :]).reshape(grid.k_padded, grid.n_padded)
 
 
 @partial(jax.jit, static_argnames=("rates",))
@@ -317,11 +323,15 @@ def _pair_targets(codes, target_w, state: ProgrammedWeight, spec: ChipSpec):
     tp, tm = _conductance_pair(codes, target_w, spec)
     if target_w is not None or not (state.stuck_plus.any() or state.stuck_minus.any()):
         return tp, tm
+    # Stuck cells are few: the partners' targets are changed at their indices only.
     t = spec.tile
-    diff = tp - tm
-    sp, sm = state.stuck_plus != 0, state.stuck_minus != 0
-    tm = np.where(sp & ~sm, np.clip(state.g_plus - diff, t.g_min, t.g_max), tm).astype(np.float32)
-    tp = np.where(sm & ~sp, np.clip(state.g_minus + diff, t.g_min, t.g_max), tp).astype(np.float32)
+    at = np.flatnonzero(state.stuck_plus.ravel() | state.stuck_minus.ravel())
+    sp, sm = state.stuck_plus.ravel()[at] != 0, state.stuck_minus.ravel()[at] != 0
+    p, m = tp.ravel(), tm.ravel()  # views: written in place
+    diff = p[at] - m[at]
+    only_p, only_m = at[sp & ~sm], at[sm & ~sp]
+    m[only_p] = np.clip(state.g_plus.ravel()[only_p] - diff[sp & ~sm], t.g_min, t.g_max)
+    p[only_m] = np.clip(state.g_minus.ravel()[only_m] + diff[sm & ~sp], t.g_min, t.g_max)
     return tp, tm
 
 
