@@ -62,5 +62,6 @@ def test_rnn_on_y1_is_close_and_noisy(y1, cls):
     with torch.no_grad():
         ref, _ = cpu(x)
         out, _ = dev(x.to(D))
-    err = (out.cpu() - ref).abs().max().item()
-    assert 0 < err < 0.1 * ref.abs().max().item()
+    # relative RMS error 0.017-0.035 over chip seeds (a stuck cell or a clipped ADC read adds to it)
+    rel = ((out.cpu() - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+    assert 0.002 < rel < 0.1
