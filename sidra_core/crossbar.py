@@ -80,6 +80,12 @@ class ProgrammedWeight:
         """The device time of the most recent write (the youngest cells drift fastest)."""
         return float(max(self.t_prog_plus.max(), self.t_prog_minus.max()))
 
+    @functools.cached_property
+    def written_at_once(self) -> bool:
+        """Every cell was last written at the same device time (no incremental reprogramming since)."""
+        t = self.t_latest
+        return bool((self.t_prog_plus == t).all() and (self.t_prog_minus == t).all())
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.grid.k, self.grid.n
@@ -183,11 +189,12 @@ def _adc_full_scale(codes: np.ndarray, target_w, grid: TileGrid, spec: ChipSpec)
     return np.where(fs > 0, fs, 1.0).astype(np.float32)
 
 
-def _tile_norms(gp: np.ndarray, gm: np.ndarray, grid: TileGrid) -> np.ndarray:
+@partial(jax.jit, static_argnames=("grid",))
+def _tile_norms(gp, gm, grid: TileGrid):
     """A reference read of every tile: the response norm to random inputs, i.e. the Frobenius
     norm of the differential conductances (cells holding zero and padding add nothing)."""
-    d = (gp.astype(np.float64) - gm).reshape(grid.grid_k, grid.rows, grid.grid_n, grid.cols)
-    return np.sqrt(np.square(d).sum(axis=(1, 3))).astype(np.float32)
+    d = (gp - gm).reshape(grid.grid_k, grid.rows, grid.grid_n, grid.cols)
+    return jnp.sqrt(jnp.sum(jnp.square(d), axis=(1, 3)))
 
 
 def _pad(a: np.ndarray, grid: TileGrid, fill=0) -> np.ndarray:
@@ -392,7 +399,7 @@ def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=Non
     return dataclasses.replace(
         state, codes=codes, target_w=target_w, **new,
         adc_full_scale=_adc_full_scale(codes, target_w, grid, spec),
-        ref_norm=_tile_norms(new["g_plus"], new["g_minus"], grid),
+        ref_norm=np.asarray(_tile_norms(new["g_plus"], new["g_minus"], grid)),
         programming=report,
     )
 
@@ -470,57 +477,90 @@ def _drift_kernel(gp, gm, nu_p, nu_m, t_prog_p, t_prog_m, now, t0):
     return drift(gp, nu_p, t_prog_p), drift(gm, nu_m, t_prog_m)
 
 
-def _ir_factor(spec: ChipSpec, gp: np.ndarray, gm: np.ndarray, grid: TileGrid) -> np.ndarray:
+def _ir_factor(a: float, g_max: float, gp, gm, grid: TileGrid):
     """First-order IR drop: attenuation grows with distance from the drivers and with column load."""
-    a = spec.noise.ir_drop
-    r = (np.arange(grid.rows, dtype=np.float32)[:, None] + 1) / grid.rows
-    c = (np.arange(grid.cols, dtype=np.float32)[None, :] + 1) / grid.cols
-    pos = np.tile((r + c) / 2, (grid.grid_k, grid.grid_n))
+    r = (jnp.arange(grid.rows, dtype=jnp.float32)[:, None] + 1) / grid.rows
+    c = (jnp.arange(grid.cols, dtype=jnp.float32)[None, :] + 1) / grid.cols
+    pos = jnp.tile((r + c) / 2, (grid.grid_k, grid.grid_n))
     g = (gp + gm).reshape(grid.grid_k, grid.rows, grid.n_padded)
-    load = g.sum(axis=1, keepdims=True) / (grid.rows * 2 * spec.tile.g_max)  # column current, 0..1
-    load = np.broadcast_to(load, g.shape).reshape(gp.shape)
-    return (1.0 - a * pos * load).astype(np.float32)
+    load = g.sum(axis=1, keepdims=True) / (grid.rows * 2 * g_max)  # column current, 0..1
+    return 1.0 - a * pos * jnp.broadcast_to(load, g.shape).reshape(gp.shape)
 
 
 def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     """Evaluate drift, IR drop and compensation once; MVMs at this time reuse it."""
     grid = state.grid
-    gp, gm = drifted(state, t_now, spec)
-    if spec.noise.ir_drop > 0:
-        f = _ir_factor(spec, gp, gm, grid)
+    n = spec.noise
+    drift = n.drift_nu_mean != 0 or n.drift_nu_std != 0
+    # INT8 DAC codes against weights in code units (|w| <= 127: G+ and G- stay in the window)
+    split = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and state.target_w is None
+    read = _Read(
+        grid=grid, drift=drift, ir_drop=float(n.ir_drop), g_max=float(spec.tile.g_max),
+        dg=1.0 if state.target_w is not None else (spec.tile.g_max - spec.tile.g_min) / QMAX,
+        read_sigma=float(n.read_sigma), compensate=bool(n.drift_compensation), split=split,
+        # (float32 weights stay per tile: the ideal chip's results keep their float32 rounding)
+        narrow=split and 1 < grid.grid_k and grid.grid_k * grid.n <= _NARROW,
+    )
+    history = ()
+    if drift:  # written at one time (a fresh weight): one programming time, not an array per plane
+        history = (state.nu_plus, state.nu_minus) + (
+            (np.float32(state.t_latest),) * 2 if state.written_at_once else (state.t_prog_plus, state.t_prog_minus))
+    whole, pair, var, gain, has_fraction = _read_array(
+        state.g_plus, state.g_minus, history, state.ref_norm, np.float32(t_now), np.float32(n.drift_t0), read)
+    lsb = None
+    if spec.adc.enabled:
+        lsb = (state.adc_full_scale[:, :grid.n] / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
+    terms = 0 if not split else 2 if bool(has_fraction) else 1
+    return Snapshot(
+        w=pair if terms == 2 else whole, var=var, lsb=None if lsb is None else jnp.asarray(lsb), gain=gain,
+        scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, read.narrow),
+    )
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What a read of one weight's array involves (static: one compiled read per weight kind)."""
+
+    grid: TileGrid
+    drift: bool
+    ir_drop: float
+    g_max: float
+    dg: float
+    read_sigma: float
+    compensate: bool
+    split: bool
+    narrow: bool
+
+
+@partial(jax.jit, static_argnames=("read",))
+def _read_array(gp, gm, history, ref_norm, now, t0, read: _Read):
+    """The snapshot's device arrays from the programmed state, in one program: drift to `now`,
+    IR drop, weights and read-noise variances in code units, the drift-compensation gain."""
+    grid = read.grid
+    if read.drift:
+        gp, gm = _drift_kernel(gp, gm, *history, now, t0)
+    if read.ir_drop > 0:
+        f = _ir_factor(read.ir_drop, read.g_max, gp, gm, grid)
         gp, gm = gp * f, gm * f
-    dg = 1.0 if state.target_w is not None else (spec.tile.g_max - spec.tile.g_min) / QMAX
     # Padding columns hold nothing that is read out: the snapshot keeps the N real columns
     # (the K padding stays, it is how inputs split into 256-row tiles).
     n = grid.n
     shape3 = (grid.grid_k, grid.rows, n)
-    w = ((gp[:, :n] - gm[:, :n]) / np.float32(dg)).reshape(shape3)
+    w = ((gp[:, :n] - gm[:, :n]) / jnp.float32(read.dg)).reshape(shape3)
     var = None
-    if spec.noise.read_sigma > 0:
-        var = ((spec.noise.read_sigma / dg) ** 2 * (gp[:, :n] ** 2 + gm[:, :n] ** 2)).reshape(shape3)
-    lsb = None
-    if spec.adc.enabled:
-        lsb = (state.adc_full_scale[:, :n] / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
+    if read.read_sigma > 0:
+        var = (jnp.float32((read.read_sigma / read.dg) ** 2) * (gp[:, :n] ** 2 + gm[:, :n] ** 2)).reshape(shape3)
     gain = None
-    if spec.noise.drift_compensation:
+    if read.compensate:
         # Reference read of each tile now, against the same read just after programming.
-        now = _tile_norms(gp, gm, grid)
-        per_tile = np.where(now > 0, state.ref_norm / now, 1.0).astype(np.float32)
-        gain = np.repeat(per_tile, grid.cols, axis=1)[:, :n]
-    # INT8 DAC codes against weights in code units (|w| <= 127: G+ and G- stay in the window)
-    split = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and state.target_w is None
-    # (float32 weights stay per tile: the ideal chip's results keep their float32 rounding)
-    narrow = split and 1 < grid.grid_k and grid.grid_k * n <= _NARROW
-    if narrow:
+        now_norm = _tile_norms(gp, gm, grid)
+        per_tile = jnp.where(now_norm > 0, ref_norm / now_norm, 1.0)
+        gain = jnp.repeat(per_tile, grid.cols, axis=1)[:, :n]
+    if read.narrow:
         w = _block_diagonal(w)[None]
         var = None if var is None else _block_diagonal(var)[None]
-    whole, pair, var, has_fraction = _device_tiles(w, var, split)
-    terms = 0 if not split else 2 if bool(has_fraction) else 1
-    return Snapshot(
-        w=pair if terms == 2 else whole, var=var,
-        lsb=None if lsb is None else jnp.asarray(lsb), gain=None if gain is None else jnp.asarray(gain),
-        scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, narrow),
-    )
+    whole, pair, var, has_fraction = _device_tiles(w, var, read.split)
+    return whole, pair, var, gain, has_fraction
 
 
 # DAC codes of up to 8 signed bits (|code| <= 127) are int8 values.
@@ -543,12 +583,12 @@ def _join(q):
 _NARROW = 512
 
 
-def _block_diagonal(a: np.ndarray) -> np.ndarray:
+def _block_diagonal(a):
     """(grid_k, rows, N) tiles -> (grid_k rows, grid_k N) with the tiles on the diagonal."""
     gk, r, n = a.shape
-    out = np.zeros((gk * r, gk * n), a.dtype)
-    for i in range(gk):
-        out[i * r:(i + 1) * r, i * n:(i + 1) * n] = a[i]
+    out = jnp.zeros((gk * r, gk * n), a.dtype)
+    for i in range(gk):  # grid_k x N <= _NARROW: a few tiles
+        out = out.at[i * r:(i + 1) * r, i * n:(i + 1) * n].set(a[i])
     return out
 
 

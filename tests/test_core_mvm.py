@@ -354,6 +354,25 @@ def test_drift_mean_ratio():
     assert _expected_drift(YEAR, 0.01, 0.004, 20.0) < 0.9  # the effect is large enough to see
 
 
+@pytest.mark.parametrize("reprogrammed", [False, True], ids=["written_at_once", "reprogrammed"])
+def test_snapshot_reads_the_drifted_conductances(reprogrammed):
+    # A fresh weight's snapshot drifts from one programming time; after an incremental reprogram
+    # the cells carry their own. Either way it reads what drifted() gives, to float rounding.
+    w = _rand((300, 200), 5)
+    st = sc.program(w, Y1, seed=2, t_now=10.0)
+    if reprogrammed:
+        w2 = w.copy()
+        w2[:40] *= 1.5
+        st = crossbar.reprogram(st, w2, Y1, seed=3, t_now=5000.0)
+    assert st.written_at_once is not reprogrammed
+    t = 5100.0 if reprogrammed else 10.0 + YEAR  # the rewritten cells are far younger than the others
+    gp, gm = sc.drifted(st, t, Y1)
+    dg = (Y1.tile.g_max - Y1.tile.g_min) / 127
+    expected = ((gp - gm) / dg)[:, :200].reshape(2, 256, 200)
+    np.testing.assert_allclose(np.asarray(crossbar.snapshot(st, t, Y1).weights()), expected, atol=2 / 254)
+    assert not np.allclose(gp, st.g_plus)  # drift moved the cells
+
+
 def test_drift_off_means_no_change():
     st = sc.program(_rand((64, 64), 0), INT8)
     gp, gm = sc.drifted(st, YEAR, INT8)
