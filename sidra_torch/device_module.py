@@ -24,7 +24,7 @@ __all__ = [
     "is_available", "is_initialized", "device_count", "current_device", "set_device", "synchronize",
     "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state",
     "get_device_name", "get_device_properties", "get_device_capability", "memory_allocated",
-    "max_memory_allocated", "memory_reserved", "reset_peak_memory_stats", "memory_summary", "empty_cache",
+    "max_memory_allocated", "memory_reserved", "mem_get_info", "reset_peak_memory_stats", "memory_summary", "empty_cache",
     "Event", "device", "OutOfMemoryError", "set_chip", "use_chip", "current_chip", "counters",
     "reset_counters", "advance", "device_time", "is_bf16_supported", "get_amp_supported_dtype",
 ]
@@ -165,6 +165,12 @@ def get_device_capability(device=None) -> tuple[int, int]:
 
 def memory_reserved(device=None) -> int:
     return memory_allocated()
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of device memory, as torch.cuda.mem_get_info."""
+    total = current_chip().spec.memory.dram_bytes
+    return total - memory_allocated(device), total
 
 
 def empty_cache() -> None:

@@ -127,8 +127,14 @@ def _guard(runner):
 # crossbar
 
 
-def _linear(x: torch.Tensor, w_view, transpose: bool, bias: torch.Tensor | None):
-    """y = x @ M (+ bias) where M is the weight view (transposed if asked), on the crossbar."""
+def _linear(x: torch.Tensor, w_view, transpose: bool, bias: torch.Tensor | None, left: bool = False):
+    """y = x @ M (+ bias) where M is the weight view (transposed if asked), on the crossbar; `left`:
+    the op was W @ x' with x = x'^T (for the shapes in a mismatch error, worded as PyTorch's)."""
+    k, n = (w_view.shape[1], w_view.shape[0]) if transpose else (w_view.shape[0], w_view.shape[1])
+    if x.shape[-1] != k:  # before anything is programmed
+        rows = x.numel() // max(x.shape[-1], 1)
+        a, b = ((n, k), (x.shape[-1], rows)) if left else ((rows, x.shape[-1]), (k, n))
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({a[0]}x{a[1]} and {b[0]}x{b[1]})")
     chip = runtime.current_chip()
     res = resident(chip, w_view, transpose)
     y = chip.linear(res, _to_jax(x), None if bias is None else _to_jax(bias))
@@ -160,7 +166,7 @@ def mm(func, args, uargs, ukwargs):
     if wb is not None and wa is None:
         return _linear(uargs[0], b, False, None)
     if wa is not None and wb is None:  # W @ x = (x^T @ W^T)^T
-        return _linear(uargs[1].t(), a, True, None).t()
+        return _linear(uargs[1].t(), a, True, None, left=True).t()
     if wa is None and wb is None:
         return _engine_matmul(uargs[0], uargs[1])
     return host(func, args, uargs, ukwargs)
@@ -204,7 +210,7 @@ def matmul(func, args, uargs, ukwargs):
     if weight_base(b) is not None and weight_base(a) is None and b.dim() == 2:
         return _linear(uargs[0], b, False, None)
     if weight_base(a) is not None and weight_base(b) is None and a.dim() == 2 and b.dim() == 2:
-        return _linear(uargs[1].t(), a, True, None).t()  # W @ x = (x^T @ W^T)^T
+        return _linear(uargs[1].t(), a, True, None, left=True).t()  # W @ x = (x^T @ W^T)^T
     if weight_base(a) is None and weight_base(b) is None and a.dim() >= 2 and b.dim() >= 2:
         return _engine_matmul(uargs[0], uargs[1])
     return host(func, args, uargs, ukwargs)
@@ -216,6 +222,11 @@ def convolution(func, args, uargs, ukwargs):
     stride, padding, dilation, transposed, _, groups = uargs[3:9]
     if transposed or weight_base(w) is None or w.dim() not in (3, 4, 5) or isinstance(padding, str):
         return host(func, args, uargs, ukwargs)
+    x = uargs[0]
+    if x.dim() != w.dim() or x.shape[1] != w.shape[1] * groups:  # before anything is programmed
+        raise RuntimeError(f"Given groups={groups}, weight of size {list(w.shape)}, expected input{list(x.shape)} "
+                           f"to have {w.shape[1] * groups} channels, but got {x.shape[1] if x.dim() > 1 else 0} "
+                           f"channels instead")
     chip = runtime.current_chip()
     res = resident(chip, w, False, matrix_fn=lambda v, _: conv_weight_matrix(
         v._inner.detach().to(torch.float32).numpy(), groups))
@@ -233,9 +244,11 @@ def conv_nd(func, args, uargs, ukwargs):
     vals = [uargs[2 + i] if len(uargs) > 2 + i else ukwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
     bias, stride, padding, dilation, groups = vals
     expand = (lambda v: [v] * nd if isinstance(v, int) else list(v))
-    new_uargs = [x, w, bias, expand(stride), padding if isinstance(padding, str) else expand(padding),
-                 expand(dilation), False, [0] * nd, groups]
-    return convolution(aten.convolution.default, list(args[:2]) + [None] * 7, new_uargs, {})
+    unbatched = x.dim() == w.dim() - 1  # (C, *spatial), as conv{1,2,3}d accept
+    new_uargs = [x.unsqueeze(0) if unbatched else x, w, bias, expand(stride),
+                 padding if isinstance(padding, str) else expand(padding), expand(dilation), False, [0] * nd, groups]
+    out = convolution(aten.convolution.default, list(args[:2]) + [None] * 7, new_uargs, {})
+    return out.squeeze(0) if unbatched else out
 
 
 # ---------------------------------------------------------------------------

@@ -164,6 +164,10 @@ def test_memory_allocated_tracks_allocations(ideal):
     assert torch.sidra.memory_allocated() == m0
     assert torch.sidra.memory_reserved() >= torch.sidra.memory_allocated()
     torch.sidra.empty_cache()
+    free, total = torch.sidra.mem_get_info()
+    assert total == torch.sidra.get_device_properties(0).total_memory
+    a = torch.empty(1000, device=D)
+    assert torch.sidra.mem_get_info() == (free - 4000, total)
 
 
 def test_max_memory_allocated_and_reset_peak(ideal):

@@ -89,6 +89,42 @@ def test_conv_forward_is_crossbar_mvms(ideal, mode):
         assert_close(y, cpu(x), rtol=1e-4, atol=1e-5)
 
 
+def test_unbatched_conv_input_runs_like_cpu(ideal, mode):
+    torch.manual_seed(0)
+    for cpu, x in [(nn.Conv2d(3, 5, 3), torch.randn(3, 8, 8)), (nn.Conv1d(4, 6, 3, groups=2), torch.randn(4, 9))]:
+        dev = on_device(cpu)
+        with mode(), Delta() as d:
+            y = dev(x.to(D))
+        assert d["mvms"] >= 1 and d["fallback_ops"] == 0
+        assert_close(y, cpu(x), rtol=1e-4, atol=1e-5)
+
+
+def _error(fn) -> str:
+    with pytest.raises(RuntimeError) as e:
+        fn()
+    return str(e.value)
+
+
+def test_shape_mismatch_raises_pytorchs_error_and_programs_nothing(ideal, mode):
+    torch.manual_seed(0)
+    lin, conv = nn.Linear(8, 4), nn.Conv2d(3, 5, 3)
+    x3, x, xt, img = torch.randn(2, 3, 9), torch.randn(3, 9), torch.randn(9, 3), torch.randn(1, 4, 8, 8)
+    cases = [  # (on the device, the same on the CPU)
+        (lambda m, d: m(x3.to(d)), lin), (lambda m, d: torch.mm(x.to(d), m.weight.t()), lin),
+        (lambda m, d: torch.mm(m.weight, xt.to(d)), lin), (lambda m, d: torch.matmul(m.weight, xt.to(d)), lin),
+        (lambda m, d: m(img.to(d)), conv),
+    ]
+    for run, cpu in cases:
+        with mode():
+            expected = _error(lambda: run(cpu, "cpu"))
+        dev = on_device(cpu)
+        with mode(), Delta() as d:
+            assert _error(lambda: run(dev, D)) == expected
+        assert d["cells_programmed"] == 0 and d["mvms"] == 0
+        ok = torch.randn(2, 3, 8, 8) if cpu is conv else torch.randn(2, 8)
+        assert_close(dev(ok.to(D)), cpu(ok), rtol=1e-4, atol=1e-5)  # and the layer still works
+
+
 def test_gpt2_style_conv1d_weight_is_crossbar(ideal):
     """x @ W + b with W (K, N) used untransposed (transformers' Conv1D: addmm(bias, x, W))."""
     torch.manual_seed(0)
