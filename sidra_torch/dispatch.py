@@ -31,7 +31,7 @@ import torch
 from sidra_core import conv_weight_matrix, cost
 from sidra_core.engine import STORAGE
 
-from . import rnn, runtime
+from . import rnn, runtime, transformer
 from .dlpack import to_jax
 from .weights import resident, weight_base
 
@@ -521,6 +521,8 @@ ENGINE = {
     aten.scaled_dot_product_attention.default: sdpa,
     aten._thnn_fused_lstm_cell.default: _fused_cell(rnn.lstm_cell),
     aten._thnn_fused_gru_cell.default: _fused_cell(rnn.gru_cell),
+    aten._native_multi_head_attention.default: transformer.native_multi_head_attention,
+    aten._transformer_encoder_layer_fwd.default: transformer.transformer_encoder_layer,
 }
 
 ELEMENTWISE = _ops(
@@ -560,10 +562,24 @@ FREE = _ops("_unsafe_view", "_local_scalar_dense", "is_same_size", "equal", "is_
             "sym_numel", "sym_storage_offset", "_has_compatible_shallow_copy_type", "set_.source_Storage_storage_offset")
 
 
+def _nested(func, args, uargs, ukwargs):
+    raise NotImplementedError(
+        f"{func}: nested tensors are not supported on sidra:0. nn.TransformerEncoder makes them for its "
+        "fast path (eval, a src_key_padding_mask, no gradients): build it with enable_nested_tensor=False, "
+        "or call torch.backends.mha.set_fastpath_enabled(False)")
+
+
+# Ops whose results the device cannot hold: a clear error instead of one from deep inside PyTorch.
+NOT_ON_DEVICE = _ops("_nested_tensor_from_mask", "_nested_tensor_from_tensor_list", "nested_tensor",
+                     "_nested_from_padded", "_nested_from_padded_and_nested_example")
+
+
 def runner_for(func, is_view: bool):
     """The runner for an op, decided once per OpOverload; None = a free op (plain call)."""
     if is_view or func in FREE:
         return None
+    if func in NOT_ON_DEVICE:
+        return _nested
     if func in CROSSBAR:
         r = _guard(CROSSBAR[func])
         r.where = "crossbar"

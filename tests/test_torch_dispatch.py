@@ -125,6 +125,62 @@ def test_shape_mismatch_raises_pytorchs_error_and_programs_nothing(ideal, mode):
         assert_close(dev(ok.to(D)), cpu(ok), rtol=1e-4, atol=1e-5)  # and the layer still works
 
 
+def _masks(kind, batch=2, length=5):
+    pad = torch.zeros(batch, length, dtype=torch.bool)
+    pad[0, 3:] = True
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)
+    return {"none": (None, None), "padding": (None, pad), "causal": (causal, None),
+            "causal_float": (nn.Transformer.generate_square_subsequent_mask(length), None),
+            "both": (causal, pad)}[kind]
+
+
+def _dev(t):
+    return None if t is None else t.to(D)
+
+
+@pytest.mark.parametrize("masks", ["none", "padding", "causal", "causal_float", "both"])
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_transformer_fast_paths_run_on_the_chip(ideal, masks, norm_first, inference):
+    # In eval without gradients PyTorch hands a whole encoder layer (or self-attention) to one fused
+    # kernel; on the host it would run without the chip: it must run as the layer's own ops.
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    attn_mask, pad = _masks(masks)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, norm_first=norm_first,
+                                       activation="gelu" if norm_first else "relu").eval()
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    with torch.no_grad():
+        ref_layer = layer(x, src_mask=attn_mask, src_key_padding_mask=pad)
+        ref_attn = mha(x, x, x, attn_mask=attn_mask, key_padding_mask=pad, need_weights=False)[0]
+    dev_layer, dev_mha, xd = on_device(layer), on_device(mha), x.to(D)
+    with (torch.inference_mode() if inference else torch.no_grad()), Delta() as d:
+        assert_close(dev_layer(xd, src_mask=_dev(attn_mask), src_key_padding_mask=_dev(pad)), ref_layer,
+                     rtol=1e-4, atol=1e-5)
+        out, weights = dev_mha(xd, xd, xd, attn_mask=_dev(attn_mask), key_padding_mask=_dev(pad), need_weights=False)
+        assert_close(out, ref_attn, rtol=1e-4, atol=1e-5)
+        assert weights is None
+    assert d["mvms"] == 4 + 2 and d["fallback_ops"] == 0, d  # layer: QKV, out, FF1, FF2; attention: QKV, out
+
+
+def test_transformer_encoder_padding_mask_and_the_nested_tensor_limit(ideal):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[0, 3:] = True
+    cpu = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 1,
+                                enable_nested_tensor=False).eval()
+    with torch.no_grad():
+        ref = cpu(x, src_key_padding_mask=mask)
+    dev = on_device(cpu)
+    with torch.inference_mode(), Delta() as d:
+        assert_close(dev(x.to(D), src_key_padding_mask=mask.to(D)), ref, rtol=1e-4, atol=1e-5)
+    assert d["mvms"] > 0
+    dev.use_nested_tensor = True  # PyTorch's fast path: nested tensors, which the device cannot hold
+    with torch.inference_mode(), pytest.raises(NotImplementedError, match="enable_nested_tensor=False"):
+        dev(x.to(D), src_key_padding_mask=mask.to(D))
+
+
 def test_gpt2_style_conv1d_weight_is_crossbar(ideal):
     """x @ W + b with W (K, N) used untransposed (transformers' Conv1D: addmm(bias, x, W))."""
     torch.manual_seed(0)
