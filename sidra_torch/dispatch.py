@@ -411,8 +411,12 @@ def sdpa(func, args, uargs, ukwargs):
     vals = dict(zip(names, uargs[3:]))
     vals.update({k: v for k, v in ukwargs.items() if k in names})
     q, k, v = uargs[:3]
-    if vals.get("dropout_p", 0.0) or vals.get("enable_gqa", False):
+    if vals.get("dropout_p", 0.0):
         return host(func, args, uargs, ukwargs)
+    if vals.get("enable_gqa", False) and k.shape[-3] != q.shape[-3]:
+        # grouped-query attention: each key/value head serves q heads / kv heads query heads (device memory copies)
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = (memory(aten.repeat_interleave.self_int, (t,), (t, rep, -3), {}) for t in (k, v))
     scale = vals.get("scale") or 1.0 / float(np.sqrt(q.shape[-1]))
     mask, causal = vals.get("attn_mask"), bool(vals.get("is_causal"))
     if fused_attention(q, k, v, mask):  # the engine's attention kernel: the ops of _sdpa_ops in one program
@@ -538,7 +542,7 @@ ELEMENTWISE = _ops(
     "where.ScalarOther", "where.ScalarSelf", "where.Scalar", "rsub.Scalar", "rsub.Tensor", "tril", "triu",
     "cumsum", "argmax", "argmin", "sign", "floor", "ceil", "round", "trunc", "hardtanh", "leaky_relu",
     "elu", "softplus", "mish", "hardswish", "hardsigmoid", "sin", "cos", "lerp.Scalar", "addcmul",
-    "addcdiv", "threshold_backward", "gelu_backward", "tanh_backward", "sigmoid_backward",
+    "addcdiv", "threshold_backward", "gelu_backward", "tanh_backward", "sigmoid_backward", "min.other", "max.other",
 )
 
 ELEMENTWISE_INPLACE = _ops(

@@ -267,6 +267,17 @@ def test_sdpa_runs_on_the_engine(ideal, mode):
     assert_close(y, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
+def test_grouped_query_attention_runs_on_the_engine(ideal, mode):
+    # Llama-style attention: fewer key/value heads than query heads (enable_gqa)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with mode(), Delta() as d:
+        y = F.scaled_dot_product_attention(q.to(D), k.to(D), v.to(D), is_causal=True, enable_gqa=True)
+    assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    assert d["fallback_ops"] == 0 and d["engine_ops"] >= 2
+
+
 @pytest.mark.parametrize("chip", ["y1", "int8"])
 @pytest.mark.parametrize("masking", ["none", "bool", "float", "causal"])
 def test_sdpa_in_one_program_equals_the_engine_ops_one_by_one(restore_chip, chip, masking):
@@ -357,8 +368,11 @@ def test_elementwise_arithmetic_is_engine(ideal):
     s = x.to(D)
     with Delta() as d:
         y = (s * 2 + 1).exp().sum(-1)
-    assert d["engine_ops"] >= 3 and d["fallback_ops"] == 0
+        lo, hi = torch.min(s, s.t()), torch.max(s, s.t())  # min.other / max.other (T5)
+    assert d["engine_ops"] >= 5 and d["fallback_ops"] == 0
     assert_close(y, (x * 2 + 1).exp().sum(-1))
+    assert_close(lo, torch.min(x, x.t()))
+    assert_close(hi, torch.max(x, x.t()))
 
 
 def test_device_ops_run_on_one_torch_thread_and_restore_the_setting(ideal, monkeypatch):
