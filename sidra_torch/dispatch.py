@@ -350,6 +350,8 @@ def layer_norm_whole(func, args, uargs, ukwargs):
 def batch_norm_whole(func, args, uargs, ukwargs):
     """batch_norm (whole under inference_mode): (x, w, b, running_mean, running_var, training, momentum, eps, cudnn)."""
     x, w, b, rm, rv, training, momentum, eps = uargs[:8]
+    if training and rm is None:
+        return native_batch_norm(func, args, uargs[:8], {})[0]
     if training or rm is None:
         return host(func, args, uargs, ukwargs)
     return batch_norm_inference(func, args, [x, w, b, rm, rv, momentum, eps], {})[0]
@@ -386,6 +388,57 @@ def _layer_norm(x, shape, w, b, eps, stats: bool):
     return _to_torch(y, x.dtype), _to_torch(mean), _to_torch(rstd)
 
 
+def _arg(uargs, ukwargs, i: int, name: str, default=None):
+    return uargs[i] if len(uargs) > i else ukwargs.get(name, default)
+
+
+def rms_norm(func, args, uargs, ukwargs):
+    """rms_norm (whole under inference_mode): (x, normalized_shape, weight=None, eps=None)."""
+    x, shape = uargs[0], uargs[1]
+    w, eps = _arg(uargs, ukwargs, 2, "weight"), _arg(uargs, ukwargs, 3, "eps")
+    chip = runtime.current_chip()
+    y = chip.engine("rms_norm", _to_jax(x), weight=None if w is None else _to_jax(w),
+                    eps=float(torch.finfo(x.dtype).eps if eps is None else eps), ndim=len(shape))
+    return _to_torch(y, x.dtype)
+
+
+def _group_norm(x, groups: int, w, b, eps: float, stats: bool):
+    """Group norm as the engine's layer norm over each group's (C/G x spatial) values, then the
+    per-channel scale and shift as an element-wise op."""
+    n, c = x.shape[:2]
+    out = _layer_norm(x.reshape(n, groups, -1), (x[0, 0].numel() * (c // groups),), None, None, eps, stats)
+    y = (out[0] if stats else out).reshape(x.shape)
+    if w is not None or b is not None:
+        per_channel = (1, c) + (1,) * (x.dim() - 2)
+        y = y * w.reshape(per_channel) if w is not None else y
+        y = y + b.reshape(per_channel) if b is not None else y
+        y = _elementwise_finish(y, y.numel())
+    return (y, out[1].reshape(n, groups), out[2].reshape(n, groups)) if stats else y
+
+
+def group_norm(func, args, uargs, ukwargs):
+    """group_norm (whole under inference_mode): (x, num_groups, weight, bias, eps, cudnn_enabled)."""
+    return _group_norm(uargs[0], int(uargs[1]), _arg(uargs, ukwargs, 2, "weight"), _arg(uargs, ukwargs, 3, "bias"),
+                       float(_arg(uargs, ukwargs, 4, "eps", 1e-5)), stats=False)
+
+
+def native_group_norm(func, args, uargs, ukwargs):
+    """native_group_norm(x, weight, bias, N, C, HxW, group, eps): output, mean and 1/std (N, G)."""
+    x, w, b, _n, _c, _hw, groups, eps = uargs[:8]
+    return _group_norm(x, int(groups), w, b, float(eps), stats=True)
+
+
+def instance_norm(func, args, uargs, ukwargs):
+    """instance_norm (whole under inference_mode): each sample's channels normalised over their own
+    values (group norm with a group per channel), or by running statistics."""
+    x, w, b, rm, rv, use_input_stats, momentum, eps = uargs[:8]
+    if use_input_stats:
+        if rm is not None:  # also updates the running statistics: the host does that
+            return host(func, args, uargs, ukwargs)
+        return _group_norm(x, x.shape[1], w, b, float(eps), stats=False)
+    return batch_norm_inference(func, args, [x, w, b, rm, rv, momentum, eps], {})[0]
+
+
 def batch_norm_inference(func, args, uargs, ukwargs):
     """_native_batch_norm_legit_no_training(x, w, b, running_mean, running_var, momentum, eps)."""
     x, w, b, rm, rv, _momentum, eps = uargs[:7]
@@ -398,7 +451,18 @@ def batch_norm_inference(func, args, uargs, ukwargs):
 
 def native_batch_norm(func, args, uargs, ukwargs):
     x, w, b, rm, rv, training, momentum, eps = uargs[:8]
-    if training or rm is None:
+    if training and rm is None:  # batch statistics, none kept (instance norm): a norm per channel
+        c = x.shape[1]
+        per_channel = x.movedim(1, 0).reshape(c, -1)
+        y, mean, rstd = _layer_norm(per_channel, (per_channel.shape[1],), None, None, eps, stats=True)
+        y = y.reshape((c,) + x.shape[:1] + x.shape[2:]).movedim(0, 1)
+        if w is not None or b is not None:
+            shape = (1, c) + (1,) * (x.dim() - 2)
+            y = y * w.reshape(shape) if w is not None else y
+            y = y + b.reshape(shape) if b is not None else y
+            y = _elementwise_finish(y, y.numel())
+        return y.contiguous(), mean.reshape(c), rstd.reshape(c)
+    if training or rm is None:  # training batch norm updates its running statistics: on the host
         return host(func, args, uargs, ukwargs)
     y, _, _ = batch_norm_inference(func, args, [x, w, b, rm, rv, momentum, eps], {})
     empty = x.new_empty(0)
@@ -522,6 +586,8 @@ ENGINE = {
     aten.native_layer_norm.default: layer_norm,
     aten._native_batch_norm_legit_no_training.default: batch_norm_inference,
     aten.native_batch_norm.default: native_batch_norm,
+    aten.rms_norm.default: rms_norm, aten.group_norm.default: group_norm,
+    aten.native_group_norm.default: native_group_norm, aten.instance_norm.default: instance_norm,
     aten.scaled_dot_product_attention.default: sdpa,
     aten._thnn_fused_lstm_cell.default: _fused_cell(rnn.lstm_cell),
     aten._thnn_fused_gru_cell.default: _fused_cell(rnn.gru_cell),

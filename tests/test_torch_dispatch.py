@@ -243,6 +243,39 @@ def test_nonlinear_and_normalising_ops_run_on_the_engine(ideal, mode, name, requ
     assert_close(y, cpu(x), rtol=1e-5, atol=1e-5)
 
 
+NORMS = {
+    "group_norm": (lambda: nn.GroupNorm(2, 8), (2, 8, 6, 6)),
+    "instance_norm": (lambda: nn.InstanceNorm2d(8, affine=True), (3, 8, 5, 5)),
+    "batch_norm_batch_stats": (lambda: nn.BatchNorm1d(8, track_running_stats=False), (4, 8, 7)),
+    "rms_norm": (lambda: nn.RMSNorm([5, 8]), (2, 5, 8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_group_instance_and_rms_norms_run_on_the_engine(ideal, mode, name):
+    torch.manual_seed(0)
+    make, shape = NORMS[name]
+    cpu = make()
+    with torch.no_grad():
+        for p in cpu.parameters():
+            p.uniform_(0.5, 1.5)
+    dev = on_device(cpu)
+    x = torch.randn(*shape, requires_grad=True)
+    xd = x.detach().to(D).requires_grad_()
+    with mode():
+        ref = cpu(x)
+        with Delta() as d:
+            y = dev(xd)
+    assert d["fallback_ops"] == 0 and d["engine_ops"] >= 1, d
+    assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    if ref.requires_grad:  # the backward (on the host) from the engine's saved statistics
+        g = torch.randn(*shape)
+        ref.backward(g)
+        y.backward(g.to(D))
+        assert_close(xd.grad, x.grad, rtol=1e-4, atol=1e-5)
+        assert_close(dev.weight.grad, cpu.weight.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_activation_matmul_runs_on_the_engine_not_the_crossbar(ideal, mode):
     q = torch.randn(2, 3, 5, 8)
     k = torch.randn(2, 3, 5, 8)
