@@ -219,7 +219,9 @@ def matmul(func, args, uargs, ukwargs):
 def convolution(func, args, uargs, ukwargs):
     w = args[1]
     bias = uargs[2]
-    stride, padding, dilation, transposed, _, groups = uargs[3:9]
+    stride, padding, dilation, transposed, output_padding, groups = uargs[3:9]
+    if transposed and groups == 1 and weight_base(w) is not None and w.dim() in (3, 4) and uargs[0].dim() == w.dim():
+        return _conv_transpose(uargs[0], w, bias, stride, padding, dilation, output_padding)
     if transposed or weight_base(w) is None or w.dim() not in (3, 4, 5) or isinstance(padding, str):
         return host(func, args, uargs, ukwargs)
     x = uargs[0]
@@ -233,6 +235,53 @@ def convolution(func, args, uargs, ukwargs):
     y = chip.conv(res, _to_jax(uargs[0]), tuple(w.shape), None if bias is None else _to_jax(bias),
                   stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation))
     return _to_torch(y, uargs[0].dtype)
+
+
+def _conv_transpose(x, w, bias, stride, padding, dilation, output_padding):
+    """Transposed 1d/2d convolution: the crossbar holds the weight as (C_in) x (C_out k_h k_w) and
+    multiplies every input position (one MVM), and the overlapping outputs are summed digitally
+    into the output grid (col2im, with the bias) on the engine."""
+    c_in = w.shape[0]
+    if x.shape[1] != c_in:
+        raise RuntimeError(f"Given transposed=1, weight of size {list(w.shape)}, expected input{list(x.shape)} "
+                           f"to have {c_in} channels, but got {x.shape[1]} channels instead")
+    if w.dim() == 3:  # 1d as 2d of height 1
+        y = _conv_transpose(x.unsqueeze(2), w.unsqueeze(2), bias, [1, *stride], [0, *padding], [1, *dilation],
+                            [0, *output_padding])
+        return y.squeeze(2)
+    n, _, h, wd = x.shape
+    kh, kw = w.shape[-2:]
+    chip = runtime.current_chip()
+    res = resident(chip, w, "transposed conv", matrix_fn=lambda v, _: v._inner.detach().to(torch.float32)
+                   .reshape(c_in, -1).numpy())
+    cols = _to_torch(chip.linear(res, _to_jax(x.permute(0, 2, 3, 1).reshape(-1, c_in))), x.dtype)
+    # The whole grid the input positions reach, then `padding` cropped at the start of each axis and
+    # `padding - output_padding` at its end (output padding past the grid is zeros).
+    full = [(i - 1) * s + d * (k - 1) + 1 for i, s, d, k in zip((h, wd), stride, dilation, (kh, kw))]
+    y = torch.nn.functional.fold(cols.reshape(n, h * wd, -1).transpose(1, 2), full, (kh, kw), dilation=dilation,
+                                 stride=stride)
+    end = [f - p + o for f, p, o in zip(full, padding, output_padding)]
+    y = torch.nn.functional.pad(y, (0, max(end[1] - full[1], 0), 0, max(end[0] - full[0], 0)))
+    y = y[:, :, padding[0]:end[0], padding[1]:end[1]]
+    if bias is not None:
+        y = y + bias.reshape(1, -1, 1, 1)
+    return _elementwise_finish(y, y.numel())
+
+
+def conv_transpose_nd(func, args, uargs, ukwargs):
+    """conv_transpose1d/2d/3d arrive whole under inference_mode: as convolution(transposed=True)."""
+    x, w = uargs[0], uargs[1]
+    nd = w.dim() - 2
+    names = ("bias", "stride", "padding", "output_padding", "groups", "dilation")
+    defaults = (None, 1, 0, 0, 1, 1)
+    vals = [uargs[2 + i] if len(uargs) > 2 + i else ukwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
+    bias, stride, padding, output_padding, groups, dilation = vals
+    expand = (lambda v: [v] * nd if isinstance(v, int) else list(v))
+    unbatched = x.dim() == w.dim() - 1
+    new_uargs = [x.unsqueeze(0) if unbatched else x, w, bias, expand(stride), expand(padding), expand(dilation), True,
+                 expand(output_padding), groups]
+    out = convolution(aten.convolution.default, list(args[:2]) + [None] * 7, new_uargs, {})
+    return out.squeeze(0) if unbatched else out
 
 
 def conv_nd(func, args, uargs, ukwargs):
@@ -571,6 +620,8 @@ CROSSBAR = {
     aten.mm.default: mm, aten.addmm.default: addmm, aten.linear.default: linear,
     aten.matmul.default: matmul, aten.convolution.default: convolution,
     aten.conv1d.default: conv_nd, aten.conv2d.default: conv_nd, aten.conv3d.default: conv_nd,
+    aten.conv_transpose1d.default: conv_transpose_nd, aten.conv_transpose2d.input: conv_transpose_nd,
+    aten.conv_transpose3d.input: conv_transpose_nd,
     torch.ops.quantized.linear_dynamic.default: linear_dynamic,
 }
 

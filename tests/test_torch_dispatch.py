@@ -89,6 +89,44 @@ def test_conv_forward_is_crossbar_mvms(ideal, mode):
         assert_close(y, cpu(x), rtol=1e-4, atol=1e-5)
 
 
+CONV_TRANSPOSE = {
+    "2d_stride": (lambda: nn.ConvTranspose2d(8, 4, 3, stride=2), (2, 8, 6, 6)),
+    "2d_padding_output_padding_dilation": (
+        lambda: nn.ConvTranspose2d(8, 4, (3, 2), stride=(2, 1), padding=1, output_padding=1, dilation=(1, 2)), (2, 8, 5, 7)),
+    "2d_output_padding_past_the_grid": (lambda: nn.ConvTranspose2d(3, 5, 4, stride=3, output_padding=2), (2, 3, 4, 4)),
+    "1d": (lambda: nn.ConvTranspose1d(6, 3, 4, stride=3, padding=2, output_padding=1), (2, 6, 9)),
+    "2d_unbatched_no_bias": (lambda: nn.ConvTranspose2d(8, 4, 3, stride=2, bias=False), (8, 6, 6)),
+}
+
+
+def _like_cpu(cpu, shape, mode) -> Delta:
+    """Run a module on the device and on the CPU in `mode`: same output and (in grad mode, the
+    backward on the host) same input and weight gradients; returns the device counters' growth."""
+    dev = on_device(cpu)
+    x = torch.randn(*shape, requires_grad=True)
+    xd = x.detach().to(D).requires_grad_()
+    with mode():
+        ref = cpu(x)
+        with Delta() as d:
+            y = dev(xd)
+    assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    if ref.requires_grad:
+        g = torch.randn(*ref.shape)
+        ref.backward(g)
+        y.backward(g.to(D))
+        assert_close(xd.grad, x.grad, rtol=1e-4, atol=1e-5)
+        assert_close(dev.weight.grad, cpu.weight.grad, rtol=1e-4, atol=1e-5)
+    return d
+
+
+@pytest.mark.parametrize("name", sorted(CONV_TRANSPOSE))
+def test_transposed_conv_is_one_crossbar_mvm(ideal, mode, name):
+    torch.manual_seed(0)
+    make, shape = CONV_TRANSPOSE[name]
+    d = _like_cpu(make(), shape, mode)
+    assert d["mvms"] == 1 and d["fallback_ops"] == 0, d
+
+
 def test_unbatched_conv_input_runs_like_cpu(ideal, mode):
     torch.manual_seed(0)
     for cpu, x in [(nn.Conv2d(3, 5, 3), torch.randn(3, 8, 8)), (nn.Conv1d(4, 6, 3, groups=2), torch.randn(4, 9))]:
@@ -259,21 +297,8 @@ def test_group_instance_and_rms_norms_run_on_the_engine(ideal, mode, name):
     with torch.no_grad():
         for p in cpu.parameters():
             p.uniform_(0.5, 1.5)
-    dev = on_device(cpu)
-    x = torch.randn(*shape, requires_grad=True)
-    xd = x.detach().to(D).requires_grad_()
-    with mode():
-        ref = cpu(x)
-        with Delta() as d:
-            y = dev(xd)
+    d = _like_cpu(cpu, shape, mode)  # in grad mode the host's backward uses the engine's saved statistics
     assert d["fallback_ops"] == 0 and d["engine_ops"] >= 1, d
-    assert_close(y, ref, rtol=1e-4, atol=1e-5)
-    if ref.requires_grad:  # the backward (on the host) from the engine's saved statistics
-        g = torch.randn(*shape)
-        ref.backward(g)
-        y.backward(g.to(D))
-        assert_close(xd.grad, x.grad, rtol=1e-4, atol=1e-5)
-        assert_close(dev.weight.grad, cpu.weight.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_activation_matmul_runs_on_the_engine_not_the_crossbar(ideal, mode):
