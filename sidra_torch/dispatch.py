@@ -546,9 +546,13 @@ def fused_attention(q, k, v, mask=None, dropout_p: float = 0.0, enable_gqa: bool
     mask that does not widen the scores. The rule eager dispatch and the compiled capture share."""
     if dropout_p or enable_gqa or any(t.dtype != torch.float32 for t in (q, k, v)):
         return False
+    try:  # grouped heads (the CPU's fused attention takes fewer key/value heads) do not broadcast
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        return False
     if mask is None:
         return True
-    scores = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
+    scores = (*batch, q.shape[-2], k.shape[-2])
     return mask.dtype in (torch.bool, torch.float32) and torch.broadcast_shapes(mask.shape, scores) == scores
 
 

@@ -53,6 +53,32 @@ def _cnn():
                          nn.Linear(16, 10)).eval()
 
 
+class _GroupedQueryAttention(torch.nn.Module):
+    """Llama-style attention: 8 query heads over 2 key/value heads (enable_gqa)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = torch.nn.Linear(16, 32), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 8, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 4, 4).transpose(1, 2).chunk(2, 1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _gqa():
+    torch.manual_seed(0)
+    return _GroupedQueryAttention().eval()
+
+
+def _decoder():
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1), nn.GroupNorm(2, 4),
+                         nn.SiLU(), nn.Conv2d(4, 4, 3, padding=1), nn.InstanceNorm2d(4)).eval()
+
+
 def _text_inputs(batch=2, length=9):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 100, (batch, length), generator=g)
@@ -66,6 +92,9 @@ MODELS = {
     "gpt2": (_gpt2, _text_inputs, lambda o: o.logits),
     "cnn": (_cnn, lambda: {"input": torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0)).to(D)},
             lambda o: o),
+    "gqa": (_gqa, lambda: {"x": torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)).to(D)}, lambda o: o),
+    "decoder": (_decoder, lambda: {"input": torch.randn(2, 8, 5, 5, generator=torch.Generator().manual_seed(0)).to(D)},
+                lambda o: o),
 }
 
 

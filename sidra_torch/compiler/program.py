@@ -154,23 +154,22 @@ class Plan:
         chip = runtime.current_chip()
         t0 = time.perf_counter()
         self._check_fits(chip, args)
-        snaps, seeds = [], []
-        for n in self.crossbar:  # eager's order: program on first use, then this read's seed
-            res = self._resident(chip, args, n.meta["sidra_crossbar"])
-            snaps.append(chip.snapshot(res))
-            seeds.append(chip.next_seed())
         env: dict = dict(self.constants)
         for ph, a in zip(self.placeholders, args):
             env[ph] = a
         start = chip.clock.now
         for seg, fn in zip(self.segments, self._fns):
-            if seg.eager:
+            if seg.eager:  # (a crossbar op placed eager programs and draws its seed as it runs)
                 n = seg.nodes[0]
                 env[n] = _eager(n, env)
                 continue
+            snaps, seeds = [], []
+            for i in seg.xbars:  # eager's order: program on first use, then this read's seed
+                res = self._resident(chip, args, self.crossbar[i].meta["sidra_crossbar"])
+                snaps.append(chip.snapshot(res))
+                seeds.append(chip.next_seed())
             acts = tuple(self._jax_input(a, env, args) for a in seg.live_inputs)
-            outs = fn(acts, tuple(snaps[i] for i in seg.xbars), jnp.asarray([seeds[i] for i in seg.xbars],
-                                                                            jnp.uint32))
+            outs = fn(acts, tuple(snaps), jnp.asarray(seeds, jnp.uint32))
             for n, v in zip([o for o in seg.outputs if o not in self._dead], outs):
                 env[n] = v
         result = fx.node.map_arg(self.output.args[0], lambda n: _to_torch(env[n], n))
