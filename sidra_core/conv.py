@@ -38,13 +38,16 @@ def _norm(v, nd: int, name: str) -> tuple[int, ...]:
     return v
 
 
-@host.jit(static_argnames=("kernel", "stride", "padding", "dilation", "dac_bits", "adc_bits"))
-def conv(snap: Snapshot, x, seed=None, bias=None, *, kernel, stride, padding, dilation, dac_bits=8, adc_bits=8):
-    """N-d convolution (x: (N, C_in, *spatial)) as crossbar MVMs over im2col patches."""
+@host.jit(static_argnames=("kernel", "stride", "padding", "dilation", "lhs_dilation", "dac_bits", "adc_bits"))
+def conv(snap: Snapshot, x, seed=None, bias=None, *, kernel, stride, padding, dilation, lhs_dilation=None,
+         dac_bits=8, adc_bits=8):
+    """N-d convolution (x: (N, C_in, *spatial)) as crossbar MVMs over im2col patches. `padding`: a
+    width per axis or (low, high) pairs; `lhs_dilation`: input dilation (JAX's transposed conv), the
+    zeros between input positions are zero DAC inputs."""
     patches = lax.conv_general_dilated_patches(
         x.astype(jnp.float32), filter_shape=kernel, window_strides=stride,
-        padding=tuple((p, p) for p in padding), rhs_dilation=dilation,
-        precision=lax.Precision.HIGHEST,
+        padding=tuple(p if isinstance(p, tuple) else (p, p) for p in padding), lhs_dilation=lhs_dilation,
+        rhs_dilation=dilation, precision=lax.Precision.HIGHEST,
     )  # (N, C_in * prod(kernel), *out)
     n, f = patches.shape[:2]
     out_sp = patches.shape[2:]

@@ -225,21 +225,16 @@ class _Runner:
         lhs_spec, out_spec, kernel, n = meta["lhs_spec"], meta["out_spec"], meta["kernel"], meta["n"]
         has_bias = "bias" in meta
         kw = self.mvm_kw
-        pads = tuple(p["padding"])
-        sym = all(lo == hi for lo, hi in pads)
+        pads = tuple((int(lo), int(hi)) for lo, hi in p["padding"])
         inv_out = tuple(int(i) for i in np.argsort(out_spec))
 
         def device(*xs_aux):
             *xs, (snap, seed) = xs_aux
             x = jnp.transpose(xs[0], lhs_spec)  # (N, C, *spatial)
-            if sym:
-                padding = tuple(lo for lo, _ in pads)
-            else:
-                x = jnp.pad(x, [(0, 0), (0, 0)] + [tuple(pp) for pp in pads])
-                padding = (0,) * len(pads)
             bias = xs[2].reshape(n).astype(jnp.float32) if has_bias else None
             y = _materialise(sidra_core.conv(snap, x, seed, bias, kernel=kernel, stride=tuple(p["window_strides"]),
-                                             padding=padding, dilation=tuple(p["rhs_dilation"]), **kw))
+                                             padding=pads, dilation=tuple(p["rhs_dilation"]),
+                                             lhs_dilation=tuple(p["lhs_dilation"]), **kw))
             return [_cast(jnp.transpose(y, inv_out), aval)]
 
         return straight_through(device, self._exact_fused(ins), vals, (snaps[ins.wref], seeds[ins.seed]))

@@ -350,7 +350,7 @@ class _Builder:
         w = self._weight(ins[1])
         xa, wa = self.aval(ins[0]), self.aval(ins[1])
         out_aval = eqn.outvars[0].aval
-        ok = (w is not None and self._weight(ins[0]) is None and all(d == 1 for d in p["lhs_dilation"])
+        ok = (w is not None and self._weight(ins[0]) is None
               and p["batch_group_count"] == 1 and _is_float(xa) and _is_float(wa)
               and all(lo >= 0 and hi >= 0 for lo, hi in p["padding"]))
         if not ok:

@@ -385,6 +385,25 @@ def test_flax_linen_dense_and_conv_model():
     assert np.corrcoef(outs["y1"].ravel(), ref.ravel())[0, 1] > 0.9
 
 
+@pytest.mark.parametrize("strides,padding", [((2, 2), "SAME"), ((2, 1), "VALID"), ((3, 3), ((1, 2), (0, 1)))])
+def test_transposed_conv_runs_on_the_crossbar(strides, padding):
+    # JAX's transposed conv is conv_general_dilated with an input dilation: the dilated input's zeros
+    # are zero DAC inputs of the same crossbar MVM
+    rs = np.random.default_rng(0)
+    params = {"k": (0.2 * rs.standard_normal((3, 3, 4, 6))).astype(np.float32)}
+    x = jnp.asarray(_x(2, 5, 5, 4))
+
+    def f(p, x):
+        return jax.lax.conv_transpose(x, p["k"], strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    chip = sidra_core.Chip.create("ideal", seed=0)
+    prog = sj.program(params, chip)
+    g = sj.jit(f)
+    np.testing.assert_allclose(np.asarray(g(prog, x)), np.asarray(f(params, x)), rtol=1e-5, atol=1e-5)
+    rep = g.report(prog, x)
+    assert rep.counts["mvms"] == 1 and len(chip.residents) == 1
+
+
 def test_flax_nnx_linear_and_conv():
     nnx = pytest.importorskip("flax.nnx")
 
