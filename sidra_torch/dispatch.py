@@ -456,13 +456,18 @@ def _group_norm(x, groups: int, w, b, eps: float, stats: bool):
     per-channel scale and shift as an element-wise op."""
     n, c = x.shape[:2]
     out = _layer_norm(x.reshape(n, groups, -1), (x[0, 0].numel() * (c // groups),), None, None, eps, stats)
-    y = (out[0] if stats else out).reshape(x.shape)
-    if w is not None or b is not None:
-        per_channel = (1, c) + (1,) * (x.dim() - 2)
-        y = y * w.reshape(per_channel) if w is not None else y
-        y = y + b.reshape(per_channel) if b is not None else y
-        y = _elementwise_finish(y, y.numel())
+    y = _channel_affine((out[0] if stats else out).reshape(x.shape), w, b)
     return (y, out[1].reshape(n, groups), out[2].reshape(n, groups)) if stats else y
+
+
+def _channel_affine(y, w, b):
+    """A norm's per-channel scale and shift (dim 1), as one element-wise engine op."""
+    if w is None and b is None:
+        return y
+    per_channel = (1, y.shape[1]) + (1,) * (y.dim() - 2)
+    y = y * w.reshape(per_channel) if w is not None else y
+    y = y + b.reshape(per_channel) if b is not None else y
+    return _elementwise_finish(y, y.numel())
 
 
 def group_norm(func, args, uargs, ukwargs):
@@ -504,12 +509,7 @@ def native_batch_norm(func, args, uargs, ukwargs):
         c = x.shape[1]
         per_channel = x.movedim(1, 0).reshape(c, -1)
         y, mean, rstd = _layer_norm(per_channel, (per_channel.shape[1],), None, None, eps, stats=True)
-        y = y.reshape((c,) + x.shape[:1] + x.shape[2:]).movedim(0, 1)
-        if w is not None or b is not None:
-            shape = (1, c) + (1,) * (x.dim() - 2)
-            y = y * w.reshape(shape) if w is not None else y
-            y = y + b.reshape(shape) if b is not None else y
-            y = _elementwise_finish(y, y.numel())
+        y = _channel_affine(y.reshape((c,) + x.shape[:1] + x.shape[2:]).movedim(0, 1), w, b)
         return y.contiguous(), mean.reshape(c), rstd.reshape(c)
     if training or rm is None:  # training batch norm updates its running statistics: on the host
         return host(func, args, uargs, ukwargs)
