@@ -208,14 +208,23 @@ class _Runner:
         has_bias = "bias" in meta
         kw = self.mvm_kw
 
+        w_free = meta.get("w_free")
+
         def device(*xs_aux):
             *xs, (snap, seed) = xs_aux
             x = xs[1 - side]
-            x = jnp.moveaxis(x, xc, -1)
+            if w_free is None:
+                x = jnp.moveaxis(x, xc, -1)
+            else:  # an N-d weight: the contracted dims flattened in the matmul's order
+                x = jnp.moveaxis(x, xc, tuple(range(-len(xc), 0)))
+                x = x.reshape(*x.shape[:x.ndim - len(xc)], -1)
             bias = xs[2].reshape(n).astype(jnp.float32) if has_bias else None
             y = _materialise(crossbar.mvm(snap, x, seed, bias, **kw))
+            if w_free is not None:
+                y = y.reshape(*y.shape[:-1], *w_free)
+            nf = 1 if w_free is None else len(w_free)
             if side == 0:
-                y = jnp.moveaxis(y, -1, 0)
+                y = jnp.moveaxis(y, tuple(range(-nf, 0)), tuple(range(nf)))
             return [_cast(y, aval)]
 
         return straight_through(device, self._exact_fused(ins), vals, (snaps[ins.wref], seeds[ins.seed]))

@@ -37,7 +37,7 @@ from sidra_core.mapping import tile_grid
 from sidra_core.spec import ChipSpec
 
 from . import nn as _nn
-from .weights import ViewOp, conv_key, dot_key
+from .weights import ViewOp, conv_key, dot_key, dot_nd_key
 
 # ---------------------------------------------------------------------------
 # Primitive classes (by name, so the table survives JAX renaming its modules).
@@ -330,6 +330,20 @@ class _Builder:
                                         len(out_aval.shape) - 1 if side == 1 else 0, "n": n},
                                   cost=cost.mvm(rows, k, n, self.spec),
                                   counts={"mvms": 1, "tile_reads": rows * tile_grid(k, n, self.spec).tiles})
+            if not wb and wc and _is_float(w_aval) and _is_float(x_aval) and _is_float(out_aval):
+                # an N-d weight (Flax DenseGeneral: attention's per-head projections) as a matrix
+                leaf, chain = wr if side == 1 else wl
+                free = tuple(d for d in range(len(w_aval.shape)) if d not in wc)
+                k = math.prod(int(w_aval.shape[d]) for d in wc)
+                n = math.prod(int(w_aval.shape[d]) for d in free)
+                rows = _numel(x_aval) // max(k, 1)
+                wref = WeightRef(leaf, dot_nd_key(chain, tuple(wc), free), k, n)
+                return self._emit("mvm", "sidra::linear", "crossbar", eqn, ins,
+                                  meta={"side": side, "xc": tuple(int(d) for d in xc), "wref": wref,
+                                        "feature_axis": None, "n": n,
+                                        "w_free": tuple(int(w_aval.shape[d]) for d in free)},
+                                  cost=cost.mvm(rows, k, n, self.spec),
+                                  counts={"mvms": 1, "tile_reads": rows * tile_grid(k, n, self.spec).tiles})
         # activation x activation (or weight x weight): the engine's INT8 MACs
         if not (_is_float(la) and _is_float(ra)):
             numel = max(_numel(out_aval), _numel(la), _numel(ra))
@@ -473,6 +487,8 @@ def _fuse_bias(b: _Builder, out_refs: list) -> int:
         if out_shape != tuple(ins.out_avals[0].shape) or add.out_avals[0].dtype != ins.out_avals[0].dtype:
             continue
         axis = ins.meta["feature_axis"]
+        if axis is None:  # an N-d weight's output: its bias stays an engine add
+            continue
         src = _bias_source(b, defs, other, out_shape, axis)
         # The MVM stays where the matmul was: its bias must exist by then.
         if src is None or not _is_float(b.aval(src)) or order.get(src, -1) >= idx:

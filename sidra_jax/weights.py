@@ -19,6 +19,8 @@ bumps the version; the next use reprograms the changed cells by ISPP
 
 from __future__ import annotations
 
+import math
+
 import threading
 import weakref
 
@@ -111,6 +113,10 @@ class WeightSlot:
         v = np.asarray(v, np.float32)
         if kind == "dot":
             return np.ascontiguousarray(v if key[2] == 0 else v.T)
+        if kind == "dot_nd":  # contracted dims (in the matmul's order) flattened into K, the others into N
+            contracting, free = key[2], key[3]
+            return np.ascontiguousarray(np.transpose(v, contracting + free).reshape(
+                math.prod(v.shape[d] for d in contracting), -1))
         if kind == "conv":
             _, _, rhs_spec, groups = key
             return conv_weight_matrix(np.transpose(v, rhs_spec), groups)
@@ -146,6 +152,12 @@ class WeightSlot:
 def dot_key(chain: tuple, contracting_dim: int) -> tuple:
     """Resident key of a 2-D weight used by a matmul that contracts its dimension `contracting_dim`."""
     return (tuple(chain), "dot", int(contracting_dim))
+
+
+def dot_nd_key(chain: tuple, contracting: tuple, free: tuple) -> tuple:
+    """Resident key of an N-d weight (Flax DenseGeneral's kernels) contracted on dims `contracting`:
+    held as a (prod contracted) x (prod free) matrix."""
+    return (tuple(chain), "dot_nd", tuple(int(d) for d in contracting), tuple(int(d) for d in free))
 
 
 def conv_key(chain: tuple, rhs_spec: tuple, groups: int) -> tuple:
