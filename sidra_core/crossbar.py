@@ -166,7 +166,7 @@ def _draw_nu(ids, seed, mean, std):
 
 def _nu(ids, plane, seed, spec: ChipSpec) -> np.ndarray:
     n = spec.noise
-    if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
+    if not spec.drifts:
         return np.zeros(ids.shape, np.float32)
     seed = np.uint32(rng.seed32(seed, 0xD21F7, plane))
     return map_blocks(lambda i: _draw_nu(i, seed, n.drift_nu_mean, n.drift_nu_std), [ids], [0])[0]
@@ -463,7 +463,7 @@ class Snapshot:
 def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
     """Conductances at device time `t_now`: G(t) = G_prog ((t - t_prog + t0)/t0)^-nu."""
     n = spec.noise
-    if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
+    if not spec.drifts:
         return state.g_plus, state.g_minus
     now, t0 = np.float32(t_now), np.float32(n.drift_t0)
     arrays = [state.g_plus, state.g_minus, state.nu_plus, state.nu_minus, state.t_prog_plus, state.t_prog_minus]
@@ -491,7 +491,7 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     """Evaluate drift, IR drop and compensation once; MVMs at this time reuse it."""
     grid = state.grid
     n = spec.noise
-    drift = n.drift_nu_mean != 0 or n.drift_nu_std != 0
+    drift = spec.drifts
     # INT8 DAC codes against weights in code units (|w| <= 127: G+ and G- stay in the window)
     split = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and state.target_w is None
     read = _Read(

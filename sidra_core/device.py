@@ -190,7 +190,7 @@ class Chip:
 
     def _drift_moved(self, res: Resident, now: float) -> bool:
         n = self.spec.noise
-        if n.drift_nu_mean == 0 and n.drift_nu_std == 0:
+        if not self.spec.drifts:
             return False
         youngest = res.state.t_latest
         nu_max = n.drift_nu_mean + 6 * n.drift_nu_std

@@ -219,6 +219,11 @@ class ChipSpec:
         return n.read_sigma > 0
 
     @property
+    def drifts(self) -> bool:
+        """Programmed conductances drift with device time (some cells have a drift exponent)."""
+        return self.noise.drift_nu_mean != 0 or self.noise.drift_nu_std != 0
+
+    @property
     def cells_per_tile(self) -> int:
         return self.tile.rows * self.tile.cols
 
