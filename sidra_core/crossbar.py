@@ -336,9 +336,9 @@ def _pair_targets(codes, target_w, state: ProgrammedWeight, spec: ChipSpec):
     sp, sm = state.stuck_plus.ravel()[at] != 0, state.stuck_minus.ravel()[at] != 0
     p, m = tp.ravel(), tm.ravel()  # views: written in place
     diff = p[at] - m[at]
-    only_p, only_m = at[sp & ~sm], at[sm & ~sp]
-    m[only_p] = np.clip(state.g_plus.ravel()[only_p] - diff[sp & ~sm], t.g_min, t.g_max)
-    p[only_m] = np.clip(state.g_minus.ravel()[only_m] + diff[sm & ~sp], t.g_min, t.g_max)
+    plus_only, minus_only = sp & ~sm, sm & ~sp
+    m[at[plus_only]] = np.clip(state.g_plus.ravel()[at[plus_only]] - diff[plus_only], t.g_min, t.g_max)
+    p[at[minus_only]] = np.clip(state.g_minus.ravel()[at[minus_only]] + diff[minus_only], t.g_min, t.g_max)
     return tp, tm
 
 

@@ -58,6 +58,11 @@ def _to_torch(a, dtype=torch.float32) -> torch.Tensor:
     return out if dtype == torch.float32 else out.to(dtype)
 
 
+def _arg(uargs, ukwargs, i: int, name: str, default=None):
+    """Argument `i` (keyword `name`) of an op as it arrived, or its default."""
+    return uargs[i] if len(uargs) > i else ukwargs.get(name, default)
+
+
 def nbytes(x) -> int:
     """Bytes of a tensor, or of the tensors in a (nested) list or tuple."""
     if isinstance(x, torch.Tensor):
@@ -268,36 +273,31 @@ def _conv_transpose(x, w, bias, stride, padding, dilation, output_padding):
     return _elementwise_finish(y, y.numel())
 
 
-def conv_transpose_nd(func, args, uargs, ukwargs):
-    """conv_transpose1d/2d/3d arrive whole under inference_mode: as convolution(transposed=True)."""
+def _conv_whole(args, uargs, ukwargs, names, transposed: bool):
+    """conv{1,2,3}d / conv_transpose{1,2,3}d (whole under inference_mode, arguments `names` after x and
+    w) as aten.convolution; an unbatched input (C, *spatial), as they accept, gets a batch of one."""
+    defaults = {"bias": None, "stride": 1, "padding": 0, "output_padding": 0, "groups": 1, "dilation": 1}
+    p = {**defaults, **{n: _arg(uargs, ukwargs, 2 + i, n, defaults[n]) for i, n in enumerate(names)}}
     x, w = uargs[0], uargs[1]
     nd = w.dim() - 2
-    names = ("bias", "stride", "padding", "output_padding", "groups", "dilation")
-    defaults = (None, 1, 0, 0, 1, 1)
-    vals = [uargs[2 + i] if len(uargs) > 2 + i else ukwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
-    bias, stride, padding, output_padding, groups, dilation = vals
-    expand = (lambda v: [v] * nd if isinstance(v, int) else list(v))
+
+    def expand(v):
+        return v if isinstance(v, str) else [v] * nd if isinstance(v, int) else list(v)
+
     unbatched = x.dim() == w.dim() - 1
-    new_uargs = [x.unsqueeze(0) if unbatched else x, w, bias, expand(stride), expand(padding), expand(dilation), True,
-                 expand(output_padding), groups]
+    new_uargs = [x.unsqueeze(0) if unbatched else x, w, p["bias"], expand(p["stride"]), expand(p["padding"]),
+                 expand(p["dilation"]), transposed, expand(p["output_padding"]), p["groups"]]
     out = convolution(aten.convolution.default, list(args[:2]) + [None] * 7, new_uargs, {})
     return out.squeeze(0) if unbatched else out
 
 
 def conv_nd(func, args, uargs, ukwargs):
-    """conv1d/2d/3d arrive whole under inference_mode: the same as convolution."""
-    x, w = uargs[0], uargs[1]
-    nd = w.dim() - 2
-    names = ("bias", "stride", "padding", "dilation", "groups")
-    defaults = (None, 1, 0, 1, 1)
-    vals = [uargs[2 + i] if len(uargs) > 2 + i else ukwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
-    bias, stride, padding, dilation, groups = vals
-    expand = (lambda v: [v] * nd if isinstance(v, int) else list(v))
-    unbatched = x.dim() == w.dim() - 1  # (C, *spatial), as conv{1,2,3}d accept
-    new_uargs = [x.unsqueeze(0) if unbatched else x, w, bias, expand(stride),
-                 padding if isinstance(padding, str) else expand(padding), expand(dilation), False, [0] * nd, groups]
-    out = convolution(aten.convolution.default, list(args[:2]) + [None] * 7, new_uargs, {})
-    return out.squeeze(0) if unbatched else out
+    return _conv_whole(args, uargs, ukwargs, ("bias", "stride", "padding", "dilation", "groups"), False)
+
+
+def conv_transpose_nd(func, args, uargs, ukwargs):
+    return _conv_whole(args, uargs, ukwargs, ("bias", "stride", "padding", "output_padding", "groups", "dilation"),
+                       True)
 
 
 # ---------------------------------------------------------------------------
@@ -437,10 +437,6 @@ def _layer_norm(x, shape, w, b, eps, stats: bool):
     return _to_torch(y, x.dtype), _to_torch(mean), _to_torch(rstd)
 
 
-def _arg(uargs, ukwargs, i: int, name: str, default=None):
-    return uargs[i] if len(uargs) > i else ukwargs.get(name, default)
-
-
 def rms_norm(func, args, uargs, ukwargs):
     """rms_norm (whole under inference_mode): (x, normalized_shape, weight=None, eps=None)."""
     x, shape = uargs[0], uargs[1]
@@ -454,8 +450,9 @@ def rms_norm(func, args, uargs, ukwargs):
 def _group_norm(x, groups: int, w, b, eps: float, stats: bool):
     """Group norm as the engine's layer norm over each group's (C/G x spatial) values, then the
     per-channel scale and shift as an element-wise op."""
-    n, c = x.shape[:2]
-    out = _layer_norm(x.reshape(n, groups, -1), (x[0, 0].numel() * (c // groups),), None, None, eps, stats)
+    n = x.shape[0]
+    rows = x.reshape(n, groups, -1)
+    out = _layer_norm(rows, rows.shape[-1:], None, None, eps, stats)
     y = _channel_affine((out[0] if stats else out).reshape(x.shape), w, b)
     return (y, out[1].reshape(n, groups), out[2].reshape(n, groups)) if stats else y
 
