@@ -454,7 +454,7 @@ class Snapshot:
         if not self.shape.terms:
             return jnp.matmul(x, w)
         # INT8 x INT8 products summed in int32 are exact (256 rows x 127 x 127 < 2^31), and
-        # XLA:CPU's int8 dot (VNNI/AMX) is the fastest it has: 1.4-1.8x its bfloat16 dot, 4-7x
+        # with AMX XLA:CPU's int8 dot is the fastest it has: 1.4-1.8x its bfloat16 dot, 4-7x
         # its float32 one. A (whole, fraction) pair is one dot over both halves side by side.
         q = jnp.matmul(x, w, preferred_element_type=jnp.int32)
         return _join(q) if self.shape.terms == 2 else q.astype(jnp.float32)
@@ -492,14 +492,17 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     grid = state.grid
     n = spec.noise
     drift = spec.drifts
-    # INT8 DAC codes against weights in code units (|w| <= 127: G+ and G- stay in the window)
-    split = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and state.target_w is None
+    # INT8 DAC codes against weights in code units (|w| <= 127: G+ and G- stay in the window),
+    # held as int8 where the host's int8 dot is its fastest (host.LOW_PRECISION_DOTS), else float32
+    codes = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and state.target_w is None
+    split = codes and host.LOW_PRECISION_DOTS
     read = _Read(
         grid=grid, drift=drift, ir_drop=float(n.ir_drop), g_max=float(spec.tile.g_max),
         dg=1.0 if state.target_w is not None else (spec.tile.g_max - spec.tile.g_min) / QMAX,
         read_sigma=float(n.read_sigma), compensate=bool(n.drift_compensation), split=split,
-        # (float32 weights stay per tile: the ideal chip's results keep their float32 rounding)
-        narrow=split and 1 < grid.grid_k and grid.grid_k * grid.n <= _NARROW,
+        var_dtype=host.narrow_float(),
+        # (float inputs stay per tile: the ideal chip's results keep their float32 rounding)
+        narrow=codes and 1 < grid.grid_k and grid.grid_k * grid.n <= _NARROW,
     )
     history = ()
     if drift:  # written at one time (a fresh weight): one programming time, not an array per plane
@@ -529,6 +532,7 @@ class _Read:
     read_sigma: float
     compensate: bool
     split: bool
+    var_dtype: str
     narrow: bool
 
 
@@ -559,7 +563,7 @@ def _read_array(gp, gm, history, ref_norm, now, t0, read: _Read):
     if read.narrow:
         w = _block_diagonal(w)[None]
         var = None if var is None else _block_diagonal(var)[None]
-    whole, pair, var, has_fraction = _device_tiles(w, var, read.split)
+    whole, pair, var, has_fraction = _device_tiles(w, None if var is None else var.astype(read.var_dtype), read.split)
     return whole, pair, var, gain, has_fraction
 
 
@@ -594,14 +598,14 @@ def _block_diagonal(a):
 
 @partial(jax.jit, static_argnames=("split",))
 def _device_tiles(w, var, split: bool):
-    """One device array per tile of the weights (grid_k, rows, N) and variances (bfloat16).
+    """One device array per tile of the weights (grid_k, rows, N) and variances.
 
     With `split` (every input is an INT8 DAC code, w is in code units) the weights are int8: the
     whole codes (`whole`) if they hold w exactly (INT8 codes without drift or IR drop;
     `has_fraction` false), else the whole codes and the rest in steps of 1/254 side by side,
     (rows, 2N), which hold w to 1/508 of a code (programming lands within +-1.3 codes on y1).
     """
-    var = None if var is None else tuple(var.astype(jnp.bfloat16))
+    var = None if var is None else tuple(var)
     if not split:
         return tuple(w), None, var, False
     whole = jnp.clip(jnp.round(w), -QMAX, QMAX)
@@ -626,8 +630,8 @@ def _adc(p, lsb, gain, qmax: float):
 def _variance(x, var):
     """Read-noise variance of each partial sum, sum_i x_i^2 sigma_i^2. It only sets the noise
     amplitude: bf16 operands (x^2 and sigma^2 to 0.4 %) with an fp32 accumulator give the std
-    to ~0.1 % at 2.5x the speed."""
-    return jnp.matmul((x * x).astype(jnp.bfloat16), var, preferred_element_type=jnp.float32)
+    to ~0.1 %, at 2.5x the speed where bf16 dots are fast (host.narrow_float)."""
+    return jnp.matmul((x * x).astype(var.dtype), var, preferred_element_type=jnp.float32)
 
 
 @host.jit(static_argnames=("dac_bits", "adc_bits"))

@@ -16,6 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from . import host
 from .quant import quantise_rows
 
 # The format the engine stores results in, per precision mode (int8 mode keeps fp16 outside its LUTs).
@@ -180,8 +181,9 @@ def matmul(a, b, mode: str = "int8"):
     qa, sa = quantise_rows(a, 8)
     qb, sb = quantise_rows(b, 8, axis=-2)  # per column of b
     # INT8 codes are exact in bfloat16 and their products in the fp32 accumulator, so this is
-    # the INT32 MAC result (exact up to K = 1040) at bf16 matmul speed.
-    acc = jnp.matmul(qa.astype(jnp.bfloat16), qb.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    # the INT32 MAC result (exact up to K = 1040) at the host's fastest dot (bf16 with AMX).
+    dt = host.narrow_float()
+    acc = jnp.matmul(qa.astype(dt), qb.astype(dt), preferred_element_type=jnp.float32)
     return acc * sa * sb
 
 

@@ -30,6 +30,43 @@ if os.environ.get("SIDRA_JAX_KEEP_BARRIERS", "1") != "0":
     XLA_COMPILER_OPTIONS["xla_disable_hlo_passes"] = "cse_barrier_expander"
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _low_precision_dots() -> bool:
+    """Whether XLA:CPU's int8 and bfloat16 dots beat its float32 one on this host.
+
+    With AMX tiles (amx_int8) they do: int8 ~540 GMAC/s, bf16 ~2.5x float32. Without AMX, on the
+    same AVX-512 VNNI Xeon, XLA's int8 dot runs at its float32 speed (114 vs 126 GMAC/s on 2
+    cores) and bf16 slower (74), so a (whole, fraction) int8 pair (2N columns) costs twice a
+    float32 dot of N. SIDRA_LOW_PRECISION_DOTS=1/0 forces the choice.
+    """
+    forced = os.environ.get("SIDRA_LOW_PRECISION_DOTS")
+    if forced is not None:
+        return forced != "0"
+    return "amx_int8" in _cpu_flags()
+
+
+# Read by each snapshot (snapshots already made keep their form) and by the engine's INT8 matmul
+# (exact either way: the choice only picks the faster kernel).
+LOW_PRECISION_DOTS: bool = _low_precision_dots()
+
+
+def narrow_float() -> str:
+    """The dtype for dot operands that need only ~0.4 % (read-noise variances) or are small
+    integers (INT8 codes, exact in either): bfloat16 where its dots are fast, else float32."""
+    return "bfloat16" if LOW_PRECISION_DOTS else "float32"
+
+
 def jit(fn=None, **jit_kwargs):
     """`jax.jit` that compiles with XLA_COMPILER_OPTIONS when called at top level; inside another
     trace it is a plain nested jit (JAX refuses compiler options there; the outer program has its own)."""

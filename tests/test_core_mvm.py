@@ -209,8 +209,52 @@ def test_read_noise_requires_seed():
         sc.mvm(snap, jnp.ones((1, 10)), None, None, **sc.mvm_kwargs(Y1))
 
 
+@pytest.fixture(params=[True, False], ids=["int8-dots", "float32-dots"])
+def dots(request, monkeypatch):
+    """Both forms a snapshot can hold DAC-code weights in, whichever the test host prefers."""
+    monkeypatch.setattr(sc.host, "LOW_PRECISION_DOTS", request.param)
+    return request.param
+
+
+@pytest.fixture
+def int8_dots(monkeypatch):
+    monkeypatch.setattr(sc.host, "LOW_PRECISION_DOTS", True)
+
+
+@pytest.mark.parametrize("spec", [INT8, Y1], ids=["int8", "y1"])
+def test_float32_and_int8_dot_forms_agree(spec, monkeypatch):
+    """Hosts without fast int8 dots hold DAC-code weights in float32: INT8 codes give exactly the
+    int8 form's partial sums, y1's analog weights the (whole, fraction) pair's to 1/508 of a code."""
+    w, x = _rand((600, 300), 7, 0.05), _rand((9, 600), 8)
+    st = sc.program(w, spec, seed=2)
+    out = {}
+    for low in (True, False):
+        monkeypatch.setattr(sc.host, "LOW_PRECISION_DOTS", low)
+        snap = sc.snapshot(st, 60.0, spec)
+        assert snap.w[0].dtype == (jnp.int8 if low else jnp.float32)
+        assert snap.var is None or snap.var[0].dtype == (jnp.bfloat16 if low else jnp.float32)
+        out[low] = np.asarray(sc.mvm(snap, jnp.asarray(x), jnp.uint32(4), None, **sc.mvm_kwargs(spec)))
+    if spec is INT8:
+        np.testing.assert_array_equal(out[True], out[False])
+    else:  # the same noise draws; an ADC code may flip where a partial sum sits on a rounding edge
+        np.testing.assert_allclose(out[True], out[False], rtol=0, atol=0.02 * np.abs(out[False]).max())
+        assert np.mean(np.isclose(out[True], out[False], rtol=1e-3, atol=1e-3 * np.abs(out[False]).max())) > 0.95
+
+
+def test_host_without_amx_prefers_float32_dots(monkeypatch):
+    from sidra_core import host
+
+    monkeypatch.delenv("SIDRA_LOW_PRECISION_DOTS", raising=False)
+    monkeypatch.setattr(host, "_cpu_flags", lambda: {"avx512f", "avx512_vnni"})
+    assert not host._low_precision_dots()
+    monkeypatch.setattr(host, "_cpu_flags", lambda: {"avx512f", "amx_int8", "amx_bf16"})
+    assert host._low_precision_dots()
+    monkeypatch.setenv("SIDRA_LOW_PRECISION_DOTS", "0")
+    assert not host._low_precision_dots()
+
+
 @pytest.mark.parametrize("dac_bits", [None, 9])
-def test_int8_snapshot_refuses_inputs_that_are_not_int8_dac_codes(dac_bits):
+def test_int8_snapshot_refuses_inputs_that_are_not_int8_dac_codes(dac_bits, int8_dots):
     st = sc.program(_rand((10, 10), 0), Y1)
     snap = sc.snapshot(st, 0.0, Y1)
     assert snap.shape.terms == 2  # y1 weights (programming error, drift): int8 (whole, fraction) pairs
@@ -232,7 +276,7 @@ def test_float_weights_behind_an_int8_dac_stay_float32():
 
 
 @pytest.mark.parametrize("t_now", [0.0, 3600.0])
-def test_int8_pairs_hold_the_analog_weights_to_a_508th_of_a_code(t_now):
+def test_int8_pairs_hold_the_analog_weights_to_a_508th_of_a_code(t_now, int8_dots):
     """The int8 (whole, fraction) snapshot of y1 weights (programming error, IR drop, drift) against
     the float32 one a DAC without int8 codes gets; its MVM equals a float64 matmul of those weights."""
     from sidra_core import crossbar
@@ -257,7 +301,7 @@ def test_int8_pairs_hold_the_analog_weights_to_a_508th_of_a_code(t_now):
 
 
 @pytest.mark.parametrize("spec", [INT8, Y1], ids=["int8", "y1"])
-def test_narrow_block_diagonal_layout_computes_what_per_tile_tiles_do(spec, monkeypatch):
+def test_narrow_block_diagonal_layout_computes_what_per_tile_tiles_do(spec, monkeypatch, dots):
     """A head spanning tiles along K with few columns is held block-diagonally: same result."""
     from sidra_core import crossbar
 
