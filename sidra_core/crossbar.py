@@ -675,6 +675,7 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     # tile) carry zero inputs: skipped.
     y = None
     xl = snap.lhs(x2)
+    z = None
     for i in range(grid_k):
         used = min(s.rows, s.k - i * s.rows)
         xi = x2[:, i * s.rows:i * s.rows + used]
@@ -683,9 +684,13 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         p = p_all[:, cols] if s.narrow else snap.partial_sums(xl[:, i * s.rows:i * s.rows + used], i, used)
         if snap.var is not None:
             var = v_all[:, cols] if s.narrow else _variance(xi, snap.var[i][:used])
-            # Counters (tile, row, column) in row-major order: each read draws fresh normals.
-            counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i * rows * n_pad)
-            p = p + jnp.sqrt(var) * rng.normal(seed, counters)
+            if i % 2 == 0:
+                # One Box-Muller pair per (tile pair, row, column), counters in row-major order
+                # (each read draws fresh normals): the pair's two tiles share its log and sqrt,
+                # and both land in the one fused accumulation pass.
+                counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i // 2 * rows * n_pad)
+                z = rng.box_muller(seed, counters)
+            p = p + jnp.sqrt(var) * z[i % 2]
         p = _adc(p, None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
         y = p if y is None else y + p  # digital accumulation of the tiles
     if xscale is not None:

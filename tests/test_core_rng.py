@@ -73,3 +73,19 @@ def test_seed32_mixes_parts():
     assert rng.seed32(0, 1) != rng.seed32(0, 2)
     assert len({rng.seed32(0, i) for i in range(10000)}) == 10000
     assert 0 <= rng.seed32(2**64 + 5, -1) < 2**32
+
+
+@pytest.mark.parametrize("seed", [0, 77, 0xFFFFFFFF])
+def test_box_muller_pairs_are_independent_standard_normals(seed):
+    z1, z2 = (np.asarray(z, np.float64) for z in rng.box_muller(jnp.uint32(seed), jnp.arange(N, dtype=jnp.uint32)))
+    for z in (z1, z2):
+        assert abs(z.mean()) < 0.011 and abs(z.std() - 1) < 0.008
+        assert abs(scipy_stats.skew(z)) < 0.03 and abs(scipy_stats.kurtosis(z)) < 0.06
+        assert scipy_stats.kstest(z, "norm").pvalue > 1e-4
+        assert 400 < (np.abs(z) > 3).sum() < 680 and np.abs(z).max() < 6
+    # the pair: uncorrelated, also in magnitude, and its squared radius chi-square with 2 dof
+    assert abs(np.corrcoef(z1, z2)[0, 1]) < 0.011
+    assert abs(np.corrcoef(z1 ** 2, z2 ** 2)[0, 1]) < 0.011
+    assert scipy_stats.kstest(z1 ** 2 + z2 ** 2, "chi2", args=(2,)).pvalue > 1e-4
+    # and neither repeats the inverse-CDF stream of the same seed
+    assert abs(np.corrcoef(z1, _normal(seed))[0, 1]) < 0.011
