@@ -240,13 +240,15 @@ class Chip:
         self.clock.charge(cost.engine_matmul(nb, m, kk, n, self.spec), engine_ops=1)
         return y
 
-    def attention(self, q, k, v, mask=None, *, scale: float, causal: bool = False):
+    def attention(self, q, k, v, mask=None, *, scale: float, causal: bool = False, shapes=None):
         """Scaled dot-product attention on the engine (q, k, v: (..., L, E)); charges its two
-        matmuls, the masked scores' element-wise pass and the softmax, as the ops one by one."""
+        matmuls, the masked scores' element-wise pass and the softmax, as the ops one by one, for
+        `shapes` (q, k, v) if given: the caller's own when it padded the lengths (padded_length)."""
         e = self.spec.engine
         y = engine.attention(q, k, v, mask, scale=float(scale), causal=bool(causal), precision=e.precision,
                              mode=e.matmul)
-        for c in cost.attention(*cost.attention_dims(np.shape(q), np.shape(k), np.shape(v)), self.spec):
+        for c in cost.attention(*cost.attention_dims(*(shapes or (np.shape(q), np.shape(k), np.shape(v)))),
+                                self.spec):
             self.clock.charge(c, engine_ops=1)
         return y
 

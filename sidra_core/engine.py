@@ -187,6 +187,21 @@ def matmul(a, b, mode: str = "int8"):
     return acc * sa * sb
 
 
+# An eager caller compiles one attention kernel per (query, key) length, and a growing KV cache
+# would compile one per generated token (~0.3 s each). Past _EXACT_LENGTHS the lengths are padded
+# up to the next 2^k or 3 * 2^(k-1) (at most 1/3 padding; padded keys masked out), so a 1000-token
+# generation compiles ~20 kernels instead of 1000.
+_EXACT_LENGTHS = 8
+
+
+def padded_length(n: int) -> int:
+    """The sequence length an eager attention of length `n` runs at."""
+    if n <= _EXACT_LENGTHS:
+        return n
+    p = 1 << (n - 1).bit_length()
+    return p * 3 // 4 if n <= p * 3 // 4 else p
+
+
 @partial(jax.jit, static_argnames=("scale", "causal", "precision", "mode"))
 def attention(q, k, v, mask=None, *, scale: float, causal: bool = False, precision: str = "fp32",
               mode: str = "int8"):

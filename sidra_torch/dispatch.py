@@ -27,8 +27,9 @@ import warnings
 import jax
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from sidra_core import conv_weight_matrix, cost
+from sidra_core import conv_weight_matrix, cost, engine
 from sidra_core.engine import STORAGE
 
 from . import rnn, runtime, transformer
@@ -530,12 +531,36 @@ def sdpa(func, args, uargs, ukwargs):
     scale = vals.get("scale") or 1.0 / float(np.sqrt(q.shape[-1]))
     mask, causal = vals.get("attn_mask"), bool(vals.get("is_causal"))
     if fused_attention(q, k, v, mask):  # the engine's attention kernel: the ops of _sdpa_ops in one program
-        chip = runtime.current_chip()
-        y = chip.attention(_to_jax(q), _to_jax(k), _to_jax(v),
-                           None if mask is None else to_jax(mask.detach().contiguous()),  # bool stays bool
-                           scale=scale, causal=causal)
-        return _to_torch(y)
+        return _fused_sdpa(q, k, v, mask, scale, causal)
     return _sdpa_ops(q, k, v, mask, scale, causal)
+
+
+def _fused_sdpa(q, k, v, mask, scale: float, causal: bool):
+    """The engine's attention kernel at padded lengths (engine.padded_length: one compiled kernel
+    serves a range of lengths, as a KV cache grows), padded keys masked out, priced as unpadded."""
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    pad_q, pad_k = engine.padded_length(seq_q) - seq_q, engine.padded_length(seq_k) - seq_k
+    shapes = (q.shape, k.shape, v.shape)
+    if pad_q or pad_k:
+        q = F.pad(q, (0, 0, 0, pad_q))
+        k, v = F.pad(k, (0, 0, 0, pad_k)), F.pad(v, (0, 0, 0, pad_k))
+        mask = _padded_mask(mask, seq_q, seq_k, pad_q, pad_k)
+    y = runtime.current_chip().attention(
+        _to_jax(q), _to_jax(k), _to_jax(v), None if mask is None else to_jax(mask.detach().contiguous()),  # bool stays bool
+        scale=scale, causal=causal, shapes=shapes)
+    out = _to_torch(y)
+    return out[..., :seq_q, :].contiguous() if pad_q else out
+
+
+def _padded_mask(mask, seq_q: int, seq_k: int, pad_q: int, pad_k: int):
+    """An attention mask for lengths padded by (pad_q, pad_k): padded keys hidden from every query
+    (a padded query sees nothing where the mask has a row per query: the safe softmax gives zeros)."""
+    if mask is None:
+        mask = torch.ones(1, seq_k, dtype=torch.bool)
+    mask = mask.reshape((1,) * max(0, 2 - mask.dim()) + tuple(mask.shape))
+    mask = mask.expand(*mask.shape[:-1], seq_k)
+    hidden = False if mask.dtype == torch.bool else float("-inf")
+    return F.pad(mask, (0, pad_k, 0, pad_q if mask.shape[-2] == seq_q else 0), value=hidden)
 
 
 def fused_attention(q, k, v, mask=None, dropout_p: float = 0.0, enable_gqa: bool = False) -> bool:

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sidra_torch
+from sidra_core import cost
 from sidra_torch import weights as sw
 
 from conftest_torch import (D, DEV, Delta, assert_close, collect, ideal, int8,  # noqa: F401
@@ -338,19 +339,22 @@ def test_grouped_query_attention_runs_on_the_engine(ideal, mode):
 
 @pytest.mark.parametrize("chip", ["y1", "int8"])
 @pytest.mark.parametrize("masking", ["none", "bool", "float", "causal"])
-def test_sdpa_in_one_program_equals_the_engine_ops_one_by_one(restore_chip, chip, masking):
+@pytest.mark.parametrize("length", [6, 19])
+def test_sdpa_in_one_program_equals_the_engine_ops_one_by_one(restore_chip, chip, masking, length):
     """float32 attention runs as one engine program; it gives what the ops one by one give, bit for bit,
-    fully masked rows included, and charges the same device time and energy."""
+    fully masked rows included, and charges the same device time and energy; also at a length the
+    program runs padded (19 -> 24, padded keys masked out)."""
     from sidra_torch import dispatch
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 6, 8, generator=g) * 3 for _ in range(3))
+    n = length
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) * 3 for _ in range(3))
     mask = None
     if masking == "bool":
-        mask = torch.rand(2, 1, 6, 6, generator=g) > 0.3
+        mask = torch.rand(2, 1, n, n, generator=g) > 0.3
         mask[0, 0, 2] = False  # a row masked throughout
     elif masking == "float":
-        mask = torch.where(torch.rand(2, 1, 1, 6, generator=g) > 0.3, 0.0, torch.finfo(torch.float32).min)
+        mask = torch.where(torch.rand(2, 1, 1, n, generator=g) > 0.3, 0.0, torch.finfo(torch.float32).min)
     causal = masking == "causal"
     with sidra_torch.use_chip(chip), torch.inference_mode():  # sdpa arrives whole (not decomposed)
         qd, kd, vd = q.to(D), k.to(D), v.to(D)
@@ -367,6 +371,31 @@ def test_sdpa_in_one_program_equals_the_engine_ops_one_by_one(restore_chip, chip
     assert one["engine_ops"] == 4 and one["fallback_ops"] == 0
     if masking == "bool":
         assert torch.all(y.cpu()[0, 0, 2] == 0)
+
+
+def test_attention_lengths_share_padded_kernels(restore_chip):
+    """A KV cache growing from 17 to 24 keys (one query, as in generation) runs one compiled attention
+    kernel, padded to 24 keys, with the CPU's results for every length (padded keys never attended)."""
+    from sidra_core import engine
+
+    assert [engine.padded_length(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 100)] == [1, 16, 24, 24, 32, 48, 48, 64, 128]
+    g = torch.Generator().manual_seed(1)
+    with sidra_torch.use_chip("ideal"), torch.inference_mode():
+        before = engine.attention._cache_size()
+        for n in range(17, 25):
+            q, k, v = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 4, n, 16, generator=g), torch.randn(2, 4, n, 16, generator=g)
+            pad = torch.rand(2, 1, 1, n, generator=g) > 0.2  # a padding mask as HF passes it
+            qd, kd, vd = q.to(D), k.to(D), v.to(D)
+            y = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=pad.to(D))
+            assert y.shape == (2, 4, 1, 16)
+            assert_close(y.cpu(), F.scaled_dot_product_attention(q, k, v, attn_mask=pad), rtol=1e-5, atol=1e-5)
+            with Delta() as d:  # priced at its own length, not the padded one
+                F.scaled_dot_product_attention(qd, kd, vd)
+            spec = sidra_torch.current_chip().spec
+            want = cost.attention(*cost.attention_dims(q.shape, k.shape, v.shape), spec)
+            assert d["busy_s"] == pytest.approx(sum(c.latency_s for c in want), rel=1e-9)
+        # 24 keys with a mask (every padded call), and without one at n = 24 exactly: 16 unpadded
+        assert engine.attention._cache_size() - before <= 3
 
 
 def test_sdpa_without_gradients_runs_whole_and_with_them_decomposes(int8):
