@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import best_of_rounds
+from timing import best_of_rounds, host_kind
 
 import sidra_core as sc
 
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     both = not (a.mvm or a.ispp)
     if a.mvm or both:
+        print(host_kind())
         print("y1 analog linear (DAC, per-tile read noise, drift, stuck cells, ADC) vs float32 matmul")
         print(f"{'shape':<22}{'torch ms':>10}{'jax ms':>10}{'sidra ms':>10}{'ratio':>8}  (target <= 2.0, stretch 1.5)")
         for r in bench_mvm(a.repeat, a.rounds):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from floors import mvm_program
-from timing import best_of_rounds
+from timing import best_of_rounds, host_kind
 
 import sidra_core
 import sidra_jax as sj
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
             bench("encoder block d=256 h=4 ffn=1024, 4x128 tokens" if not args.quick else "encoder (quick)",
                   encoder, ep, ex, args.repeat)]
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; host time per forward (median of {args.repeat}, "
-          f"best of 3 interleaved rounds); target: sidra_jax on y1 <= 1.5x jax.jit")
+          f"best of 3 interleaved rounds); target: sidra_jax on y1 <= 1.5x jax.jit; {host_kind()}")
     print(f"{'workload':48s} {'chip':5s} {'jax.jit':>9s} {'sidra_jax':>10s} {'ratio':>7s} {'MVM kernels':>12s} "
           f"{'1st call':>9s} {'device':>10s} {'energy':>10s}")
     for r in rows:

@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 from floors import mvm_floor, plain_jax  # noqa: E402
-from timing import best_of_rounds, median_time  # noqa: E402
+from timing import best_of_rounds, host_kind, median_time  # noqa: E402
 
 import sidra_torch  # noqa: E402
 
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     sidra_torch.set_chip("y1")
     r = bench_minilm(a.batch, a.seq, a.repeat, a.rounds)
+    print(host_kind())
     print(f"MiniLM-L6 (real weights), batch {a.batch} x {a.seq} tokens, y1 chip, host wall time per forward")
     print(f"  CPU eager            {r['cpu_ms']:9.1f} ms")
     print(f"  sidra:0 eager        {r['sidra_ms']:9.1f} ms   ratio {r['ratio']:.2f}x (target <= 3x)")

@@ -27,3 +27,12 @@ def best_of_rounds(timed: dict, repeat: int, rounds: int, warmup: int = 2) -> di
         for name, fn in timed.items():
             best[name] = min(best[name], median_time(fn, repeat, warmup=warmup))
     return best
+
+
+def host_kind() -> str:
+    """Which dots the simulator uses on this host (the ratios depend on it; README, hosts without AMX)."""
+    from sidra_core import host
+
+    if host.LOW_PRECISION_DOTS:
+        return "host: int8/bf16 dots (AMX tiles)"
+    return "host: float32 dots (no AMX: XLA's int8 and bf16 dots are no faster than float32 here)"
