@@ -216,6 +216,11 @@ class _Builder:
         self.instrs.append(ins_)
         return outs
 
+    def _crossbar(self, kind, name, eqn, ins, meta: dict, rows: int, k: int, n: int) -> list:
+        """An MVM of `rows` inputs through a K x N crossbar weight, priced and counted."""
+        return self._emit(kind, name, "crossbar", eqn, ins, meta=meta, cost=cost.mvm(rows, k, n, self.spec),
+                          counts={"mvms": 1, "tile_reads": rows * tile_grid(k, n, self.spec).tiles})
+
     def eqn(self, eqn, ins) -> list:
         name = eqn.primitive.name
         p = eqn.params
@@ -325,11 +330,9 @@ class _Builder:
                 n = int(w_aval.shape[1 - wc[0]])
                 rows = _numel(x_aval) // max(k, 1)
                 wref = WeightRef(leaf, dot_key(chain, cdim), k, n)
-                return self._emit("mvm", "sidra::linear", "crossbar", eqn, ins,
-                                  meta={"side": side, "xc": int(xc[0]), "wref": wref, "feature_axis":
-                                        len(out_aval.shape) - 1 if side == 1 else 0, "n": n},
-                                  cost=cost.mvm(rows, k, n, self.spec),
-                                  counts={"mvms": 1, "tile_reads": rows * tile_grid(k, n, self.spec).tiles})
+                return self._crossbar("mvm", "sidra::linear", eqn, ins,
+                                      {"side": side, "xc": int(xc[0]), "wref": wref, "feature_axis":
+                                       len(out_aval.shape) - 1 if side == 1 else 0, "n": n}, rows, k, n)
             if not wb and wc and _is_float(w_aval) and _is_float(x_aval) and _is_float(out_aval):
                 # an N-d weight (Flax DenseGeneral: attention's per-head projections) as a matrix
                 leaf, chain = wr if side == 1 else wl
@@ -338,12 +341,10 @@ class _Builder:
                 n = math.prod(int(w_aval.shape[d]) for d in free)
                 rows = _numel(x_aval) // max(k, 1)
                 wref = WeightRef(leaf, dot_nd_key(chain, tuple(wc), free), k, n)
-                return self._emit("mvm", "sidra::linear", "crossbar", eqn, ins,
-                                  meta={"side": side, "xc": tuple(int(d) for d in xc), "wref": wref,
-                                        "feature_axis": None, "n": n,
-                                        "w_free": tuple(int(w_aval.shape[d]) for d in free)},
-                                  cost=cost.mvm(rows, k, n, self.spec),
-                                  counts={"mvms": 1, "tile_reads": rows * tile_grid(k, n, self.spec).tiles})
+                return self._crossbar("mvm", "sidra::linear", eqn, ins,
+                                      {"side": side, "xc": tuple(int(d) for d in xc), "wref": wref,
+                                       "feature_axis": None, "n": n,
+                                       "w_free": tuple(int(w_aval.shape[d]) for d in free)}, rows, k, n)
         # activation x activation (or weight x weight): the engine's INT8 MACs
         if not (_is_float(la) and _is_float(ra)):
             numel = max(_numel(out_aval), _numel(la), _numel(ra))
@@ -377,11 +378,9 @@ class _Builder:
         rows = int(out_aval.shape[out_spec[0]]) * math.prod(int(out_aval.shape[d]) for d in out_spec[2:])
         leaf, chain = w
         wref = WeightRef(leaf, conv_key(chain, rhs_spec, groups), k, c_out)
-        return self._emit("conv", "sidra::convolution", "crossbar", eqn, ins,
-                          meta={"wref": wref, "lhs_spec": tuple(lhs_spec), "out_spec": tuple(out_spec),
-                                "kernel": ksp, "feature_axis": int(out_spec[1]), "n": c_out},
-                          cost=cost.mvm(rows, k, c_out, self.spec),
-                          counts={"mvms": 1, "tile_reads": rows * tile_grid(k, c_out, self.spec).tiles})
+        return self._crossbar("conv", "sidra::convolution", eqn, ins,
+                              {"wref": wref, "lhs_spec": tuple(lhs_spec), "out_spec": tuple(out_spec),
+                               "kernel": ksp, "feature_axis": int(out_spec[1]), "n": c_out}, rows, k, c_out)
 
 
 def _call_name(eqn) -> str | None:

@@ -20,7 +20,6 @@ bumps the version; the next use reprograms the changed cells by ISPP
 from __future__ import annotations
 
 import math
-
 import threading
 import weakref
 

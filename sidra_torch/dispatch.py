@@ -264,10 +264,9 @@ def _conv_transpose(x, w, bias, stride, padding, dilation, output_padding):
     # The whole grid the input positions reach, then `padding` cropped at the start of each axis and
     # `padding - output_padding` at its end (output padding past the grid is zeros).
     full = [(i - 1) * s + d * (k - 1) + 1 for i, s, d, k in zip((h, wd), stride, dilation, (kh, kw))]
-    y = torch.nn.functional.fold(cols.reshape(n, h * wd, -1).transpose(1, 2), full, (kh, kw), dilation=dilation,
-                                 stride=stride)
+    y = F.fold(cols.reshape(n, h * wd, -1).transpose(1, 2), full, (kh, kw), dilation=dilation, stride=stride)
     end = [f - p + o for f, p, o in zip(full, padding, output_padding)]
-    y = torch.nn.functional.pad(y, (0, max(end[1] - full[1], 0), 0, max(end[0] - full[0], 0)))
+    y = F.pad(y, (0, max(end[1] - full[1], 0), 0, max(end[0] - full[0], 0)))
     y = y[:, :, padding[0]:end[0], padding[1]:end[1]]
     if bias is not None:
         y = y + bias.reshape(1, -1, 1, 1)
