@@ -37,7 +37,7 @@ def _rel(a, b):
 # Ideal chip == float matmul
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     k=st_.integers(1, 700),
     n=st_.integers(1, 600),
