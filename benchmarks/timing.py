@@ -35,4 +35,6 @@ def host_kind() -> str:
 
     if host.LOW_PRECISION_DOTS:
         return "host: int8/bf16 dots (AMX tiles)"
+    if host.vnni_dots():
+        return "host: crossbar dots by sidra_core.vnni's AVX-512 VNNI/BF16 kernel (no AMX)"
     return "host: float32 dots (no AMX: XLA's int8 and bf16 dots are no faster than float32 here)"

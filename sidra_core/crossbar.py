@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from . import host, rng
+from . import host, rng, vnni
 from .blocks import map_blocks
 from .ispp import program_cells
 from .mapping import TileGrid, tile_grid
@@ -28,7 +28,7 @@ from .quant import QMAX, QuantisedWeight, from_int8, quantise_rows, quantise_wei
 from .spec import ChipSpec
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["k", "n", "rows", "cols", "terms", "narrow"])
+@partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["k", "n", "rows", "cols", "terms", "narrow", "packed"])
 @dataclass(frozen=True)
 class _Shape:
     k: int
@@ -37,6 +37,7 @@ class _Shape:
     cols: int
     terms: int = 0  # how Snapshot.w holds the weights: 0 float32, 1 exact int8, 2 int8 (whole, fraction) pairs
     narrow: bool = False  # the tiles are held as one block-diagonal array (see _NARROW)
+    packed: bool = False  # the int8 tiles are packed for the VNNI kernel (sidra_core.vnni), one array
 
     @property
     def grid_k(self) -> int:
@@ -419,9 +420,11 @@ class Snapshot:
     side by side, (rows, 2N) (see `_device_tiles`); one array per tile, as
     XLA:CPU copies a slice of a stacked array before each matmul (~20 % of an
     MVM), or for a narrow weight one block-diagonal array of all tiles (see
-    _NARROW); `var` the per-cell read-noise variance in the same units, `lsb`
-    the ADC step of each tile column, `gain` the drift-compensation gain per
-    tile column, `scale` the weight scale per output column.
+    _NARROW), or all tiles packed in one array for the VNNI kernel (`shape.packed`,
+    with `corr` its column corrections; see sidra_core.vnni); `var` the per-cell
+    read-noise variance in the same units, `lsb` the ADC step of each tile column,
+    `gain` the drift-compensation gain per tile column, `scale` the weight scale
+    per output column.
     """
 
     w: tuple[jax.Array, ...]
@@ -430,10 +433,12 @@ class Snapshot:
     gain: jax.Array | None
     scale: jax.Array
     shape: _Shape
+    corr: jax.Array | None = None
 
     def weights(self) -> jax.Array:
         """The array's weights in code units as float32, (grid_k, rows, N)."""
-        return self.tiles([_join(b) if self.shape.terms == 2 else b.astype(jnp.float32) for b in self.w])
+        blocks = list(vnni.unpack(self.w[0], self.shape.n)) if self.shape.packed else self.w
+        return self.tiles([_join(b) if self.shape.terms == 2 else b.astype(jnp.float32) for b in blocks])
 
     def tiles(self, blocks) -> jax.Array:
         """Per-tile arrays (grid_k, rows, N) from per-tile or block-diagonal (rows, N) blocks."""
@@ -495,7 +500,8 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     # INT8 DAC codes against weights in code units (|w| <= 127: G+ and G- stay in the window),
     # held as int8 where the host's int8 dot is its fastest (host.LOW_PRECISION_DOTS), else float32
     codes = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and state.target_w is None
-    split = codes and host.LOW_PRECISION_DOTS
+    packed = codes and host.vnni_dots()
+    split = codes and (host.LOW_PRECISION_DOTS or packed)
     read = _Read(
         grid=grid, drift=drift, ir_drop=float(n.ir_drop), g_max=float(spec.tile.g_max),
         dg=1.0 if state.target_w is not None else (spec.tile.g_max - spec.tile.g_min) / QMAX,
@@ -514,10 +520,18 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     if spec.adc.enabled:
         lsb = (state.adc_full_scale[:, :grid.n] / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
     terms = 0 if not split else 2 if bool(has_fraction) else 1
+    w, corr = pair if terms == 2 else whole, None
+    packed = packed and not read.narrow
+    if packed:
+        wp, corr, sp = _pack(w, var, k=grid.k, terms=terms)
+        w, var = (wp,), None if var is None else (sp,)
     return Snapshot(
-        w=pair if terms == 2 else whole, var=var, lsb=None if lsb is None else jnp.asarray(lsb), gain=gain,
-        scale=jnp.asarray(state.scale), shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, read.narrow),
+        w=w, var=var, lsb=None if lsb is None else jnp.asarray(lsb), gain=gain, scale=jnp.asarray(state.scale),
+        shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, read.narrow, packed), corr=corr,
     )
+
+
+_pack = jax.jit(vnni.pack, static_argnames=("k", "terms"))
 
 
 @dataclass(frozen=True)
@@ -673,6 +687,9 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     # consumer, which XLA fuses into one pass instead of materialising every tile's noisy sums
     # (~40 % faster than batched). The last tile's unused word lines (K not a multiple of the
     # tile) carry zero inputs: skipped.
+    elif s.packed:  # every tile's partial sums and variances from one VNNI custom call
+        p_all, v_all = vnni.tile_dots(x2, snap.w[0], snap.corr, None if snap.var is None else snap.var[0],
+                                      k=s.k, n=s.n)
     y = None
     xl = snap.lhs(x2)
     z = None
@@ -681,9 +698,14 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         xi = x2[:, i * s.rows:i * s.rows + used]
         cols = slice(i * n_pad, (i + 1) * n_pad)
         # the tile's analog partial sums
-        p = p_all[:, cols] if s.narrow else snap.partial_sums(xl[:, i * s.rows:i * s.rows + used], i, used)
+        if s.narrow:
+            p = p_all[:, cols]
+        elif s.packed:
+            p = p_all[i]
+        else:
+            p = snap.partial_sums(xl[:, i * s.rows:i * s.rows + used], i, used)
         if snap.var is not None:
-            var = v_all[:, cols] if s.narrow else _variance(xi, snap.var[i][:used])
+            var = v_all[:, cols] if s.narrow else v_all[i] if s.packed else _variance(xi, snap.var[i][:used])
             if i % 2 == 0:
                 # One Box-Muller pair per (tile pair, row, column), counters in row-major order
                 # (each read draws fresh normals): the pair's two tiles share its log and sqrt,

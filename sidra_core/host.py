@@ -30,7 +30,7 @@ if os.environ.get("SIDRA_JAX_KEEP_BARRIERS", "1") != "0":
     XLA_COMPILER_OPTIONS["xla_disable_hlo_passes"] = "cse_barrier_expander"
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     """The CPU feature flags Linux reports (empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -53,12 +53,28 @@ def _low_precision_dots() -> bool:
     forced = os.environ.get("SIDRA_LOW_PRECISION_DOTS")
     if forced is not None:
         return forced != "0"
-    return "amx_int8" in _cpu_flags()
+    return "amx_int8" in cpu_flags()
 
 
 # Read by each snapshot (snapshots already made keep their form) and by the engine's INT8 matmul
 # (exact either way: the choice only picks the faster kernel).
 LOW_PRECISION_DOTS: bool = _low_precision_dots()
+
+
+def vnni_dots() -> bool:
+    """Whether a snapshot of INT8 DAC-code weights is packed for `sidra_core.vnni`'s custom call
+    (the partial sums as AVX-512 VNNI dots, the variances as BF16 dots).
+
+    Where XLA's own int8 dot is fast (AMX, LOW_PRECISION_DOTS) it is kept; elsewhere the kernel is
+    used where the CPU has the instructions and a C++ compiler built it (`vnni.available()`).
+    SIDRA_VNNI_DOTS=1/0 forces the choice (1 still needs the instructions and the build).
+    """
+    forced = os.environ.get("SIDRA_VNNI_DOTS")
+    if forced == "0" or (forced is None and LOW_PRECISION_DOTS):
+        return False
+    from sidra_core import vnni
+
+    return vnni.available()
 
 
 def narrow_float() -> str:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 import sidra_core as sc
-from sidra_core import crossbar
+from sidra_core import crossbar, vnni
 from sidra_core.quant import quantise_rows
 
 IDEAL = sc.preset("ideal")
@@ -209,48 +209,83 @@ def test_read_noise_requires_seed():
         sc.mvm(snap, jnp.ones((1, 10)), None, None, **sc.mvm_kwargs(Y1))
 
 
-@pytest.fixture(params=[True, False], ids=["int8-dots", "float32-dots"])
+# The three forms a snapshot can hold DAC-code weights in: XLA int8 dots (AMX hosts), the VNNI
+# kernel's packed tiles (AVX-512 VNNI hosts without AMX), float32 (elsewhere).
+DOT_FORMS = {"int8-dots": (True, "0"), "vnni-dots": (False, "1"), "float32-dots": (False, "0")}
+
+
+def _use_dots(monkeypatch, form: str) -> None:
+    low, vnni_flag = DOT_FORMS[form]
+    if form == "vnni-dots" and not vnni.available():
+        pytest.skip("this host cannot run the AVX-512 VNNI kernel")
+    monkeypatch.setattr(sc.host, "LOW_PRECISION_DOTS", low)
+    monkeypatch.setenv("SIDRA_VNNI_DOTS", vnni_flag)
+
+
+@pytest.fixture(params=list(DOT_FORMS))
 def dots(request, monkeypatch):
-    """Both forms a snapshot can hold DAC-code weights in, whichever the test host prefers."""
-    monkeypatch.setattr(sc.host, "LOW_PRECISION_DOTS", request.param)
+    """Each form a snapshot can hold DAC-code weights in, whichever the test host prefers."""
+    _use_dots(monkeypatch, request.param)
     return request.param
 
 
 @pytest.fixture
 def int8_dots(monkeypatch):
-    monkeypatch.setattr(sc.host, "LOW_PRECISION_DOTS", True)
+    _use_dots(monkeypatch, "int8-dots")
 
 
 @pytest.mark.parametrize("spec", [INT8, Y1], ids=["int8", "y1"])
-def test_float32_and_int8_dot_forms_agree(spec, monkeypatch):
-    """Hosts without fast int8 dots hold DAC-code weights in float32: INT8 codes give exactly the
-    int8 form's partial sums, y1's analog weights the (whole, fraction) pair's to 1/508 of a code."""
+def test_the_dot_forms_agree(spec, monkeypatch):
+    """INT8 codes give the same partial sums in every form; y1's analog weights are (whole,
+    fraction) pairs with bfloat16 variances in the XLA int8 and VNNI forms (bit-identical outputs)
+    and float32 weights and variances in the third, which agrees to 1/508 of a code."""
     w, x = _rand((600, 300), 7, 0.05), _rand((9, 600), 8)
     st = sc.program(w, spec, seed=2)
     out = {}
-    for low in (True, False):
-        monkeypatch.setattr(sc.host, "LOW_PRECISION_DOTS", low)
+    for form in DOT_FORMS:
+        if form == "vnni-dots" and not vnni.available():
+            continue
+        _use_dots(monkeypatch, form)
         snap = sc.snapshot(st, 60.0, spec)
-        assert snap.w[0].dtype == (jnp.int8 if low else jnp.float32)
-        assert snap.var is None or snap.var[0].dtype == (jnp.bfloat16 if low else jnp.float32)
-        out[low] = np.asarray(sc.mvm(snap, jnp.asarray(x), jnp.uint32(4), None, **sc.mvm_kwargs(spec)))
-    if spec is INT8:
-        np.testing.assert_array_equal(out[True], out[False])
-    else:  # the same noise draws; an ADC code may flip where a partial sum sits on a rounding edge
-        np.testing.assert_allclose(out[True], out[False], rtol=0, atol=0.02 * np.abs(out[False]).max())
-        assert np.mean(np.isclose(out[True], out[False], rtol=1e-3, atol=1e-3 * np.abs(out[False]).max())) > 0.95
+        assert snap.shape.packed == (form == "vnni-dots")
+        assert snap.w[0].dtype == (jnp.float32 if form == "float32-dots" else jnp.int8)
+        assert snap.var is None or snap.var[0].dtype == (jnp.float32 if form == "float32-dots" else jnp.bfloat16)
+        out[form] = np.asarray(sc.mvm(snap, jnp.asarray(x), jnp.uint32(4), None, **sc.mvm_kwargs(spec)))
+    ref = out.pop("float32-dots")
+    for got in out.values():
+        np.testing.assert_array_equal(got, out["int8-dots"])
+        if spec is INT8:
+            np.testing.assert_array_equal(got, ref)
+        else:  # the same noise draws; an ADC code may flip where a partial sum sits on a rounding edge
+            np.testing.assert_allclose(got, ref, rtol=0, atol=0.02 * np.abs(ref).max())
+            assert np.mean(np.isclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())) > 0.95
 
 
 def test_host_without_amx_prefers_float32_dots(monkeypatch):
     from sidra_core import host
 
     monkeypatch.delenv("SIDRA_LOW_PRECISION_DOTS", raising=False)
-    monkeypatch.setattr(host, "_cpu_flags", lambda: {"avx512f", "avx512_vnni"})
+    monkeypatch.setattr(host, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
     assert not host._low_precision_dots()
-    monkeypatch.setattr(host, "_cpu_flags", lambda: {"avx512f", "amx_int8", "amx_bf16"})
+    monkeypatch.setattr(host, "cpu_flags", lambda: {"avx512f", "amx_int8", "amx_bf16"})
     assert host._low_precision_dots()
     monkeypatch.setenv("SIDRA_LOW_PRECISION_DOTS", "0")
     assert not host._low_precision_dots()
+
+
+def test_vnni_kernel_only_where_xla_int8_dots_are_slow(monkeypatch):
+    from sidra_core import host
+
+    monkeypatch.delenv("SIDRA_VNNI_DOTS", raising=False)
+    monkeypatch.setattr(host, "LOW_PRECISION_DOTS", True)
+    assert not host.vnni_dots()  # AMX: XLA's own int8 dot
+    monkeypatch.setattr(host, "LOW_PRECISION_DOTS", False)
+    assert host.vnni_dots() == vnni.available()
+    monkeypatch.setenv("SIDRA_VNNI_DOTS", "0")
+    assert not host.vnni_dots()
+    monkeypatch.setattr(host, "LOW_PRECISION_DOTS", True)
+    monkeypatch.setenv("SIDRA_VNNI_DOTS", "1")
+    assert host.vnni_dots() == vnni.available()
 
 
 @pytest.mark.parametrize("dac_bits", [None, 9])
@@ -310,7 +345,8 @@ def test_narrow_block_diagonal_layout_computes_what_per_tile_tiles_do(spec, monk
     narrow = sc.snapshot(st, 0.0, spec)
     monkeypatch.setattr(crossbar, "_NARROW", 0)
     per_tile = sc.snapshot(st, 0.0, spec)
-    assert narrow.shape.narrow and len(narrow.w) == 1 and not per_tile.shape.narrow and len(per_tile.w) == 3
+    assert narrow.shape.narrow and len(narrow.w) == 1 and not per_tile.shape.narrow
+    assert len(per_tile.w) == (1 if per_tile.shape.packed else 3)
     np.testing.assert_array_equal(np.asarray(narrow.weights()), np.asarray(per_tile.weights()))
     kw = sc.mvm_kwargs(spec)
     a, b = (np.asarray(sc.mvm(s, x, jnp.uint32(5), None, **kw)) for s in (narrow, per_tile))

@@ -1,0 +1,138 @@
+"""The crossbar's partial sums as AVX-512 VNNI dots: a small C++ XLA custom call (`vnni_dots.cc`).
+
+On hosts without AMX, XLA:CPU's int8 dot runs at its float32 speed, while the CPU's VNNI
+instructions do int8 MACs at 4x its float32 FMA rate (torch's oneDNN int8 GEMM shows it). The
+kernel computes every tile's INT8 partial sums and bfloat16 read-noise variances in one call;
+the noise draw, ADC and tile sum stay in the MVM's XLA program. It is compiled once per source
+and jaxlib version into the user's cache (a C++ compiler is needed; without one, or on a CPU
+without AVX-512 VNNI and BF16, `available()` is false and the XLA dots are used).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "sidra_tile_dots"
+_SOURCE = Path(__file__).with_name("vnni_dots.cc")
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
+          "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma")
+_CPU_FEATURES = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
+
+TILE_ROWS = 256
+LANES = 16
+
+
+def _library_path() -> Path:
+    import jaxlib
+
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + jaxlib.__version__.encode())
+    root = os.environ.get("SIDRA_NATIVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sidra", "native"))
+    return Path(root) / f"sidra_vnni_{key.hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    """Compile the kernel to `path` (atomically: concurrent first imports build it once)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(out)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+            os.replace(out, path)
+
+
+def load(path: Path | None = None) -> None:
+    """Build the kernel if needed, load it and register it with XLA as TARGET (raises on failure)."""
+    import ctypes
+
+    path = _library_path() if path is None else path
+    if not path.exists():
+        _build(path)
+    lib = ctypes.CDLL(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SidraTileDots), platform="cpu")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the VNNI kernel runs here: the CPU has the instructions and the kernel is built and
+    registered with XLA (built on the first call; a failed build warns once and returns False)."""
+    from sidra_core import host
+
+    if not sys.platform.startswith("linux") or not all(f in host.cpu_flags() for f in _CPU_FEATURES):
+        return False
+    try:
+        load()
+    except (OSError, RuntimeError, AttributeError) as e:
+        warnings.warn(f"sidra: the AVX-512 VNNI crossbar kernel is not available ({e}); "
+                      "the MVM uses XLA's dots instead", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def pack(w, var, k: int, terms: int):
+    """Per-tile weights (a sequence of grid_k (256, terms N) arrays) int8 (whole codes [| fractions]) and variances
+    (grid_k of (256, N)) or None -> the kernel's layouts: int8 (grid_k, NV, terms, 64, 16, 4), the
+    int32 column corrections 128 sum_k w (grid_k, NV, terms, 16), bfloat16 (grid_k, NV, 128, 16, 2).
+    Word lines past K are zeroed (the kernel reads the last tile in whole groups of 4)."""
+    w = jnp.stack(w)
+    gk, rows, tn = w.shape
+    n = tn // terms
+    nv = -(-n // LANES)
+    live = (jnp.arange(gk * rows) < k).reshape(gk, rows, 1)
+    w = jnp.where(live, w, 0).reshape(gk, rows, terms, n)
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, 0), (0, nv * LANES - n)))
+    corr = (128 * w.astype(jnp.int32).sum(axis=1)).reshape(gk, terms, nv, LANES).transpose(0, 2, 1, 3)
+    wp = w.reshape(gk, rows // 4, 4, terms, nv, LANES).transpose(0, 4, 3, 1, 5, 2)
+    sp = None
+    if var is not None:
+        s = jnp.where(live, jnp.stack(var), 0).astype(jnp.bfloat16)
+        s = jnp.pad(s, ((0, 0), (0, 0), (0, nv * LANES - n)))
+        sp = s.reshape(gk, rows // 2, 2, nv, LANES).transpose(0, 3, 1, 4, 2)
+    return wp, corr, sp
+
+
+def unpack(wp, n: int):
+    """The packed int8 weights back as (grid_k, 256, terms N) (the inverse of `pack`'s layout)."""
+    gk, nv, terms, groups, lanes, four = wp.shape
+    w = wp.transpose(0, 3, 5, 2, 1, 4).reshape(gk, groups * four, terms, nv * lanes)[..., :n]
+    return w.reshape(gk, groups * four, terms * n)
+
+
+def tile_dots(codes, wp, corr, sp, *, k: int, n: int):
+    """Every tile's partial sums p (grid_k, rows, N) of INT8 DAC codes (rows, K) against the
+    packed weights, as float32 (whole + fraction / 254 for two terms), and with variances `sp`
+    their read-noise variances v = x^2 @ s (bfloat16 operands, float32 sums), else None."""
+    gk, terms = wp.shape[0], wp.shape[2]
+    rows = codes.shape[0]
+    kp = gk * TILE_ROWS
+    xu = jnp.pad((codes + 128).astype(jnp.uint8), ((0, 0), (0, kp - k)), constant_values=128)
+    noise = sp is not None
+    if noise:
+        x2 = jnp.pad((codes * codes).astype(jnp.bfloat16), ((0, 0), (0, kp - k)))
+    else:
+        x2, sp = jnp.zeros((0, 0), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)
+    out = jax.ShapeDtypeStruct((gk, rows, n), jnp.float32)
+    p, v = jax.ffi.ffi_call(TARGET, (out, out))(
+        xu, x2, wp, corr, sp, k=np.int64(k), n=np.int64(n), terms=np.int64(terms), noise=np.int64(noise))
+    return p, (v if noise else None)

@@ -1,0 +1,333 @@
+// The crossbar tiles' partial sums and read-noise variances as AVX-512 VNNI / BF16 dots, an XLA
+// FFI custom call (sidra_core/vnni.py builds and registers it; the MVM's noise, ADC and tile sum
+// stay in XLA). XLA:CPU's int8 dot runs at its float32 speed on hosts without AMX, while
+// vpdpbusd does 64 int8 MACs an instruction: 4x the float32 FMA rate.
+//
+// Per 256-row tile, for each input row and tile column:
+//   p = sum_k x_k w_k   (x: INT8 DAC codes, w: int8 whole codes [+ int8 fractions / 254])
+//   v = sum_k x_k^2 s_k (x^2 and the cell variances s in bfloat16, float32 sums)
+// vpdpbusd multiplies unsigned by signed bytes, so the inputs come as x + 128 and each column
+// subtracts 128 sum_k w_k (precomputed). Integer sums are exact: |sum| <= 256 * 255 * 127 < 2^31.
+//
+// Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 bf16 (rows, Kp), Kp = grid_k * 256;
+// w int8 (grid_k, NV, T, 64, 16, 4): 16-column vectors, T terms (whole[, fraction]), 4 word lines
+// per 32-bit lane; corr int32 (grid_k, NV, T, 16); s bf16 (grid_k, NV, 128, 16, 2);
+// outputs p, v float32 (grid_k, rows, N).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <sched.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kTileRows = 256;
+constexpr int kLanes = 16;      // float32 / int32 lanes of a 512-bit vector
+constexpr int kPanel = 4;       // vectors (64 columns) per work item
+constexpr int kMaxRows = 6;     // rows per register block: 6 x 4 accumulators + 4 weights + 1 input
+constexpr int kGroupBytes = 64; // one vector's weights for 4 word lines (int8) or 2 (bf16)
+
+// The dot instructions as inline assembly: GCC 12 compiles their intrinsics with a register copy
+// and a stack store per instruction (the accumulator is an input of the builtin, not tied to
+// its output), which ran the kernel at a third of the instructions' rate.
+inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+}
+inline void dpbf16(__m512& acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+inline __mmask16 column_mask(int valid) {
+  return valid >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+}
+
+// MR rows x NV vectors of one tile's partial sums, T terms per vector.
+template <int MR, int NV, int T>
+void signal_block(const uint8_t* x, int64_t ldx, const int8_t* w, const int32_t* corr, int groups,
+                  float* out, int64_t ldo, int valid_cols) {
+  constexpr int J = NV * T;
+  constexpr int64_t kVecBytes = (kTileRows / 4) * kGroupBytes;  // one (vector, term) over the tile
+  __m512i acc[MR][J];
+  #pragma GCC unroll 32
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 32
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int g = 0; g < groups; ++g) {
+    __m512i b[J];
+    #pragma GCC unroll 32
+    for (int j = 0; j < J; ++j) b[j] = _mm512_loadu_si512(w + j * kVecBytes + g * kGroupBytes);
+    #pragma GCC unroll 32
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      __builtin_memcpy(&four, x + r * ldx + 4 * g, 4);
+      const __m512i a = _mm512_set1_epi32(four);
+      #pragma GCC unroll 32
+      for (int j = 0; j < J; ++j) dpbusd(acc[r][j], a, b[j]);
+    }
+  }
+  const __m512 step = _mm512_set1_ps(1.0f / 254.0f);
+  #pragma GCC unroll 32
+  for (int v = 0; v < NV; ++v) {
+    const __mmask16 m = column_mask(valid_cols - v * kLanes);
+    const __m512i c0 = _mm512_loadu_si512(corr + (v * T) * kLanes);
+    #pragma GCC unroll 32
+    for (int r = 0; r < MR; ++r) {
+      __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v * T], c0));
+      if constexpr (T == 2) {
+        const __m512i c1 = _mm512_loadu_si512(corr + (v * T + 1) * kLanes);
+        // whole + fraction / 254, as a product then a sum (the XLA path's rounding)
+        const __m512 frac = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v * T + 1], c1)), step);
+        f = _mm512_add_ps(f, frac);
+      }
+      _mm512_mask_storeu_ps(out + r * ldo + v * kLanes, m, f);
+    }
+  }
+}
+
+// MR rows x NV vectors of one tile's read-noise variances.
+template <int MR, int NV>
+void variance_block(const uint16_t* x2, int64_t ldx, const uint16_t* s, int pairs, float* out, int64_t ldo,
+                    int valid_cols) {
+  constexpr int64_t kVecElems = (kTileRows / 2) * (kGroupBytes / 2);  // bf16 elements of one vector
+  __m512 acc[MR][NV];
+  #pragma GCC unroll 32
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 32
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int g = 0; g < pairs; ++g) {
+    __m512i b[NV];
+    #pragma GCC unroll 32
+    for (int j = 0; j < NV; ++j) b[j] = _mm512_loadu_si512(s + j * kVecElems + g * (kGroupBytes / 2));
+    #pragma GCC unroll 32
+    for (int r = 0; r < MR; ++r) {
+      int32_t two;
+      __builtin_memcpy(&two, x2 + r * ldx + 2 * g, 4);
+      const __m512i a = _mm512_set1_epi32(two);
+      #pragma GCC unroll 32
+      for (int j = 0; j < NV; ++j) dpbf16(acc[r][j], a, b[j]);
+    }
+  }
+  #pragma GCC unroll 32
+  for (int j = 0; j < NV; ++j) {
+    const __mmask16 m = column_mask(valid_cols - j * kLanes);
+    #pragma GCC unroll 32
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo + j * kLanes, m, acc[r][j]);
+  }
+}
+
+// Row blocks of kMaxRows, then the remainder, for a fixed vector count.
+template <int NV, int T>
+void signal_rows(int64_t rows, const uint8_t* x, int64_t ldx, const int8_t* w, const int32_t* corr, int groups,
+                 float* out, int64_t ldo, int valid_cols) {
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    signal_block<kMaxRows, NV, T>(x + r * ldx, ldx, w, corr, groups, out + r * ldo, ldo, valid_cols);
+  const auto* xr = x + r * ldx;
+  float* o = out + r * ldo;
+  switch (rows - r) {
+    case 1: signal_block<1, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
+    case 2: signal_block<2, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
+    case 3: signal_block<3, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
+    case 4: signal_block<4, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
+    case 5: signal_block<5, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
+    default: break;
+  }
+}
+
+template <int NV>
+void variance_rows(int64_t rows, const uint16_t* x2, int64_t ldx, const uint16_t* s, int pairs, float* out,
+                   int64_t ldo, int valid_cols) {
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    variance_block<kMaxRows, NV>(x2 + r * ldx, ldx, s, pairs, out + r * ldo, ldo, valid_cols);
+  const auto* xr = x2 + r * ldx;
+  float* o = out + r * ldo;
+  switch (rows - r) {
+    case 1: variance_block<1, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
+    case 2: variance_block<2, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
+    case 3: variance_block<3, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
+    case 4: variance_block<4, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
+    case 5: variance_block<5, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
+    default: break;
+  }
+}
+
+struct Problem {
+  const uint8_t* xu;
+  const uint16_t* x2;  // null: no read noise
+  const int8_t* w;
+  const int32_t* corr;
+  const uint16_t* s;
+  float* p;
+  float* v;
+  int64_t rows, k, n, grid_k, nv, kp;
+  int terms;
+};
+
+// One work item: the partial sums (and variances) of one tile's 64-column panel for all rows.
+void run_item(const Problem& q, int64_t item) {
+  const int64_t panels = (q.nv + kPanel - 1) / kPanel;
+  const int64_t tile = item / panels, v0 = (item % panels) * kPanel;
+  const int64_t used = std::min<int64_t>(kTileRows, q.k - tile * kTileRows);
+  const int groups = static_cast<int>((used + 3) / 4), pairs = static_cast<int>((used + 1) / 2);
+  const int64_t col0 = v0 * kLanes;
+  float* p = q.p + tile * q.rows * q.n + col0;
+  const uint8_t* x = q.xu + tile * kTileRows;
+  const int64_t vec_bytes = int64_t{kTileRows / 4} * kGroupBytes;
+  // signal: kPanel / terms vectors at a time (4 accumulators per row)
+  const int step = q.terms == 2 ? 2 : 4;
+  for (int64_t v = v0; v < std::min(q.nv, v0 + kPanel); v += step) {
+    const int nvb = static_cast<int>(std::min<int64_t>(step, q.nv - v));
+    const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, q.n - v * kLanes));
+    const int8_t* w = q.w + (tile * q.nv + v) * q.terms * vec_bytes;
+    const int32_t* c = q.corr + (tile * q.nv + v) * q.terms * kLanes;
+    float* o = p + (v - v0) * kLanes;
+    if (q.terms == 2) {
+      if (nvb == 2) signal_rows<2, 2>(q.rows, x, q.kp, w, c, groups, o, q.n, valid);
+      else signal_rows<1, 2>(q.rows, x, q.kp, w, c, groups, o, q.n, valid);
+    } else {
+      switch (nvb) {
+        case 4: signal_rows<4, 1>(q.rows, x, q.kp, w, c, groups, o, q.n, valid); break;
+        case 3: signal_rows<3, 1>(q.rows, x, q.kp, w, c, groups, o, q.n, valid); break;
+        case 2: signal_rows<2, 1>(q.rows, x, q.kp, w, c, groups, o, q.n, valid); break;
+        default: signal_rows<1, 1>(q.rows, x, q.kp, w, c, groups, o, q.n, valid); break;
+      }
+    }
+  }
+  if (q.x2 == nullptr) return;
+  const int nvb = static_cast<int>(std::min<int64_t>(kPanel, q.nv - v0));
+  const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, q.n - col0));
+  const uint16_t* x2 = q.x2 + tile * kTileRows;
+  const uint16_t* s = q.s + (tile * q.nv + v0) * (kTileRows / 2) * (kGroupBytes / 2);
+  float* o = q.v + tile * q.rows * q.n + col0;
+  switch (nvb) {
+    case 4: variance_rows<4>(q.rows, x2, q.kp, s, pairs, o, q.n, valid); break;
+    case 3: variance_rows<3>(q.rows, x2, q.kp, s, pairs, o, q.n, valid); break;
+    case 2: variance_rows<2>(q.rows, x2, q.kp, s, pairs, o, q.n, valid); break;
+    default: variance_rows<1>(q.rows, x2, q.kp, s, pairs, o, q.n, valid); break;
+  }
+}
+
+// Items are taken from a shared counter by the caller and the helper threads. The caller waits
+// only for items in progress: a helper that comes late finds none and drops the job.
+struct Work {
+  Problem q;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  void drain() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      run_item(q, i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// The kernel's own helper threads (one fewer than the CPUs this process may use). XLA's
+// intra-op pool took ~3 ms to start a task scheduled from the calling thread on this VM; a
+// condition variable wakes a helper in tens of microseconds. Several calls may run at once
+// (XLA runs independent thunks in parallel): every queued job is open to every helper.
+class Helpers {
+ public:
+  static Helpers& get() {
+    static Helpers* h = new Helpers();  // never destroyed: detached threads outlive static teardown
+    return *h;
+  }
+  int count() const { return static_cast<int>(threads_); }
+  void run(const std::shared_ptr<Work>& w) {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      jobs_.push_back(w);
+    }
+    cv_.notify_all();
+    w->drain();
+    retire(w);
+    while (w->done.load(std::memory_order_acquire) < w->items) _mm_pause();
+  }
+
+ private:
+  Helpers() {
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    threads_ = std::max(0, cpus - 1);
+    for (unsigned t = 0; t < threads_; ++t) std::thread([this] { loop(); }).detach();
+  }
+  void retire(const std::shared_ptr<Work>& w) {
+    std::lock_guard<std::mutex> l(m_);
+    jobs_.erase(std::remove(jobs_.begin(), jobs_.end(), w), jobs_.end());
+  }
+  void loop() {
+    for (;;) {
+      std::shared_ptr<Work> w;
+      {
+        std::unique_lock<std::mutex> l(m_);
+        cv_.wait(l, [this] { return !jobs_.empty(); });
+        w = jobs_.back();
+      }
+      w->drain();
+      retire(w);
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<Work>> jobs_;
+  unsigned threads_ = 0;
+};
+
+// Below this many MACs a call runs on the calling thread alone: waking a helper costs more.
+constexpr int64_t kParallelMacs = int64_t{1} << 22;
+
+ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::BF16> x2, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::BF16> s, int64_t k, int64_t n, int64_t terms,
+                    int64_t noise, ffi::ResultBuffer<ffi::F32> p, ffi::ResultBuffer<ffi::F32> v) {
+  const auto xd = xu.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 6 || (terms != 1 && terms != 2) || wd[2] != terms)
+    return ffi::Error::InvalidArgument("sidra_tile_dots: unexpected operand layout");
+  auto work = std::make_shared<Work>();
+  work->q = Problem{xu.typed_data(),
+                    noise ? reinterpret_cast<const uint16_t*>(x2.typed_data()) : nullptr,
+                    w.typed_data(),
+                    corr.typed_data(),
+                    reinterpret_cast<const uint16_t*>(s.typed_data()),
+                    p->typed_data(),
+                    v->typed_data(),
+                    xd[0], k, n, wd[0], wd[1], xd[1], static_cast<int>(terms)};
+  work->items = work->q.grid_k * ((work->q.nv + kPanel - 1) / kPanel);
+  if (work->q.rows == 0 || work->items == 0) return ffi::Error::Success();
+  const int64_t macs = work->q.rows * k * n * (terms + (noise ? 2 : 0));
+  if (work->items > 1 && macs >= kParallelMacs && Helpers::get().count() > 0) {
+    Helpers::get().run(work);
+  } else {
+    work->drain();
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraTileDots, TileDots,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("terms")
+                                  .Attr<int64_t>("noise")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,129 @@
+"""sidra_core.vnni: the AVX-512 VNNI / BF16 custom call for the crossbar's partial sums and read-noise
+variances, against float64 matmuls of the same operands; its layouts, threads and build errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sidra_core import vnni
+
+needs_vnni = pytest.mark.skipif(not vnni.available(), reason="this host cannot run the AVX-512 VNNI kernel")
+
+
+def _operands(rows, k, n, terms, seed):
+    rs = np.random.default_rng(seed)
+    gk = -(-k // 256)
+    w = rs.integers(-127, 128, (gk, 256, terms * n)).astype(np.int8)
+    var = rs.random((gk, 256, n)).astype(np.float32) * 0.3
+    codes = rs.integers(-127, 128, (rows, k)).astype(np.float32)
+    return w, var, codes
+
+
+def _reference(w, var, codes, k, n, terms):
+    """Per-tile float64 sums over the live word lines: p = x @ (whole + fraction / 254) and
+    v = bf16(x^2) @ bf16(var) (the kernel's operands exactly; only its sums round)."""
+    gk = w.shape[0]
+    wf = w.astype(np.float64)
+    wf = wf[..., :n] + wf[..., n:] / 254 if terms == 2 else wf
+    bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    vf, x2 = bf(var), bf(codes * codes)
+    x = codes.astype(np.float64)
+    p, v = [], []
+    for i in range(gk):
+        used = min(256, k - 256 * i)
+        p.append(x[:, 256 * i:256 * i + used] @ wf[i, :used])
+        v.append(x2[:, 256 * i:256 * i + used] @ vf[i, :used])
+    return np.stack(p), np.stack(v)
+
+
+def _run(w, var, codes, k, n, terms, noise=True):
+    wp, corr, sp = jax.jit(vnni.pack, static_argnames=("k", "terms"))(
+        tuple(jnp.asarray(w)), tuple(jnp.asarray(var)) if noise else None, k=k, terms=terms)
+    p, v = jax.jit(lambda c: vnni.tile_dots(c, wp, corr, sp, k=k, n=n))(jnp.asarray(codes))
+    return np.asarray(p), None if v is None else np.asarray(v)
+
+
+@needs_vnni
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("rows,k,n", [
+    (1, 1, 1), (5, 3, 15), (7, 256, 16), (13, 257, 17), (6, 300, 70), (12, 600, 33), (9, 515, 130),
+    (300, 768, 512),  # large enough for the helper threads
+])
+def test_partial_sums_and_variances_match_float64(rows, k, n, terms):
+    w, var, codes = _operands(rows, k, n, terms, seed=rows + k + n)
+    p, v = _run(w, var, codes, k, n, terms)
+    pe, ve = _reference(w, var, codes, k, n, terms)
+    assert p.shape == pe.shape == (w.shape[0], rows, n)
+    if terms == 1:
+        np.testing.assert_array_equal(p, pe)  # integer sums below 2^24: exact in float32
+    else:  # whole (exact) + fraction / 254: float32 rounding of the sum
+        np.testing.assert_allclose(p, pe, rtol=0, atol=4e-7 * np.abs(pe).max() + 1e-6)
+    np.testing.assert_allclose(v, ve, rtol=1e-5, atol=1e-6 * ve.max())
+
+
+@needs_vnni
+def test_no_noise_gives_no_variances_and_the_same_sums():
+    w, var, codes = _operands(8, 300, 40, 2, seed=1)
+    p, v = _run(w, var, codes, 300, 40, 2, noise=False)
+    assert v is None
+    np.testing.assert_array_equal(p, _run(w, var, codes, 300, 40, 2)[0])
+
+
+@needs_vnni
+def test_zero_rows():
+    w, var, codes = _operands(0, 300, 40, 2, seed=1)
+    p, v = _run(w, var, codes, 300, 40, 2)
+    assert p.shape == v.shape == (2, 0, 40)
+
+
+@needs_vnni
+def test_calls_running_at_once_share_the_helpers():
+    """Independent calls in one program (XLA may run them in parallel) give each its own result."""
+    ops = [_operands(200, 700, 300, 2, seed=s) for s in (1, 2)]
+    packed = [jax.jit(vnni.pack, static_argnames=("k", "terms"))(tuple(jnp.asarray(w)), tuple(jnp.asarray(v)),
+                                                                  k=700, terms=2) for w, v, _ in ops]
+
+    @jax.jit
+    def both(c1, c2):
+        return [vnni.tile_dots(c, *pk, k=700, n=300) for c, pk in zip((c1, c2), packed)]
+
+    (p1, v1), (p2, v2) = both(*(jnp.asarray(c) for _, _, c in ops))
+    for (w, var, codes), p, v in zip(ops, (p1, p2), (v1, v2)):
+        pe, ve = _reference(w, var, codes, 700, 300, 2)
+        np.testing.assert_allclose(np.asarray(p), pe, rtol=0, atol=4e-7 * np.abs(pe).max())
+        np.testing.assert_allclose(np.asarray(v), ve, rtol=1e-5, atol=1e-6 * ve.max())
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_unpack_inverts_pack_and_zeroes_dead_word_lines(terms):
+    w, var, _ = _operands(1, 300, 21, terms, seed=3)
+    wp, corr, sp = jax.jit(vnni.pack, static_argnames=("k", "terms"))(
+        tuple(jnp.asarray(w)), tuple(jnp.asarray(var)), k=300, terms=terms)
+    back = np.asarray(vnni.unpack(wp, 21))
+    want = w.copy()
+    want[1, 300 - 256:] = 0  # word lines past K hold nothing the kernel may read
+    np.testing.assert_array_equal(back, want)
+    np.testing.assert_array_equal(np.asarray(corr).transpose(0, 2, 1, 3).reshape(2, terms, -1)[..., :21],
+                                  128 * want.astype(np.int32).sum(axis=1).reshape(2, terms, 21))
+    assert sp.dtype == jnp.bfloat16 and sp.shape == (2, 2, 128, 16, 2)
+
+
+def test_a_failed_build_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="false .*failed"):
+        vnni.load(tmp_path / "k.so")
+    assert not (tmp_path / "k.so").exists()
+
+
+def test_without_the_kernel_the_simulator_warns_once_and_uses_xla(monkeypatch):
+    from sidra_core import host
+
+    monkeypatch.setattr(host, "cpu_flags", lambda: set(vnni._CPU_FEATURES))
+    monkeypatch.setattr(vnni, "load", lambda: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    with pytest.warns(RuntimeWarning, match="VNNI crossbar kernel is not available .*no compiler"):
+        assert vnni.available.__wrapped__() is False
+    monkeypatch.setattr(host, "cpu_flags", lambda: {"avx2"})
+    assert vnni.available.__wrapped__() is False
