@@ -510,28 +510,28 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         # (float inputs stay per tile: the ideal chip's results keep their float32 rounding)
         narrow=codes and 1 < grid.grid_k and grid.grid_k * grid.n <= _NARROW,
     )
+    # packed for the VNNI kernel in the same program, as (whole, fraction) pairs first: an array
+    # that turns out to hold whole codes only (an exact chip) is read again as one term
+    read = dataclasses.replace(read, packed=2 if packed and not read.narrow else 0)
     history = ()
     if drift:  # written at one time (a fresh weight): one programming time, not an array per plane
         history = (state.nu_plus, state.nu_minus) + (
             (np.float32(state.t_latest),) * 2 if state.written_at_once else (state.t_prog_plus, state.t_prog_minus))
-    whole, pair, var, gain, has_fraction = _read_array(
-        state.g_plus, state.g_minus, history, state.ref_norm, np.float32(t_now), np.float32(n.drift_t0), read)
+    args = (state.g_plus, state.g_minus, history, state.ref_norm, np.float32(t_now), np.float32(n.drift_t0))
+    w, corr, var, gain, has_fraction = _read_array(*args, read)
+    terms = 0 if not split else 2 if bool(has_fraction) else 1
+    if read.packed and terms == 1:
+        read = dataclasses.replace(read, packed=1)
+        w, corr, var, gain, _ = _read_array(*args, read)
+    elif not read.packed:
+        w = w[1] if terms == 2 else w[0]  # (whole, pair)
     lsb = None
     if spec.adc.enabled:
         lsb = (state.adc_full_scale[:, :grid.n] / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
-    terms = 0 if not split else 2 if bool(has_fraction) else 1
-    w, corr = pair if terms == 2 else whole, None
-    packed = packed and not read.narrow
-    if packed:
-        wp, corr, sp = _pack(w, var, k=grid.k, terms=terms)
-        w, var = (wp,), None if var is None else (sp,)
     return Snapshot(
         w=w, var=var, lsb=None if lsb is None else jnp.asarray(lsb), gain=gain, scale=jnp.asarray(state.scale),
-        shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, read.narrow, packed), corr=corr,
+        shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, read.narrow, bool(read.packed)), corr=corr,
     )
-
-
-_pack = jax.jit(vnni.pack, static_argnames=("k", "terms"))
 
 
 @dataclass(frozen=True)
@@ -548,6 +548,7 @@ class _Read:
     split: bool
     var_dtype: str
     narrow: bool
+    packed: int = 0  # terms of the VNNI kernel's packed tiles (sidra_core.vnni.pack), 0: not packed
 
 
 @partial(jax.jit, static_argnames=("read",))
@@ -578,7 +579,10 @@ def _read_array(gp, gm, history, ref_norm, now, t0, read: _Read):
         w = _block_diagonal(w)[None]
         var = None if var is None else _block_diagonal(var)[None]
     whole, pair, var, has_fraction = _device_tiles(w, None if var is None else var.astype(read.var_dtype), read.split)
-    return whole, pair, var, gain, has_fraction
+    if read.packed:
+        wp, corr, sp = vnni.pack(pair if read.packed == 2 else whole, var, k=grid.k, terms=read.packed)
+        return (wp,), corr, None if var is None else (sp,), gain, has_fraction
+    return (whole, pair), None, var, gain, has_fraction
 
 
 # DAC codes of up to 8 signed bits (|code| <= 127) are int8 values.

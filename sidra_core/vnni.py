@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "sidra_tile_dots"
+PACK_TARGET = "sidra_pack_tiles"
 _SOURCE = Path(__file__).with_name("vnni_dots.cc")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
           "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma")
@@ -63,7 +64,7 @@ def _build(path: Path) -> None:
 
 
 def load(path: Path | None = None) -> None:
-    """Build the kernel if needed, load it and register it with XLA as TARGET (raises on failure)."""
+    """Build the kernels if needed, load them and register them with XLA (raises on failure)."""
     import ctypes
 
     path = _library_path() if path is None else path
@@ -71,6 +72,7 @@ def load(path: Path | None = None) -> None:
         _build(path)
     lib = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SidraTileDots), platform="cpu")
+    jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.SidraPackTiles), platform="cpu")
 
 
 @functools.cache
@@ -97,19 +99,15 @@ def pack(w, var, k: int, terms: int):
     Word lines past K are zeroed (the kernel reads the last tile in whole groups of 4)."""
     w = jnp.stack(w)
     gk, rows, tn = w.shape
-    n = tn // terms
-    nv = -(-n // LANES)
-    live = (jnp.arange(gk * rows) < k).reshape(gk, rows, 1)
-    w = jnp.where(live, w, 0).reshape(gk, rows, terms, n)
-    w = jnp.pad(w, ((0, 0), (0, 0), (0, 0), (0, nv * LANES - n)))
-    corr = (128 * w.astype(jnp.int32).sum(axis=1)).reshape(gk, terms, nv, LANES).transpose(0, 2, 1, 3)
-    wp = w.reshape(gk, rows // 4, 4, terms, nv, LANES).transpose(0, 4, 3, 1, 5, 2)
-    sp = None
-    if var is not None:
-        s = jnp.where(live, jnp.stack(var), 0).astype(jnp.bfloat16)
-        s = jnp.pad(s, ((0, 0), (0, 0), (0, nv * LANES - n)))
-        sp = s.reshape(gk, rows // 2, 2, nv, LANES).transpose(0, 3, 1, 4, 2)
-    return wp, corr, sp
+    nv = -(-(tn // terms) // LANES)
+    noise = var is not None
+    s = jnp.stack(var).astype(jnp.bfloat16) if noise else jnp.zeros((gk, rows, 0), jnp.bfloat16)
+    shapes = (jax.ShapeDtypeStruct((gk, nv, terms, rows // 4, LANES, 4), jnp.int8),
+              jax.ShapeDtypeStruct((gk, nv, terms, LANES), jnp.int32),
+              jax.ShapeDtypeStruct((gk, nv, rows // 2, LANES, 2) if noise else (0,), jnp.bfloat16))
+    wp, corr, sp = jax.ffi.ffi_call(PACK_TARGET, shapes)(
+        w, s, k=np.int64(k), terms=np.int64(terms), noise=np.int64(noise))
+    return wp, corr, (sp if noise else None)
 
 
 def unpack(wp, n: int):

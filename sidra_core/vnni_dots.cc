@@ -316,7 +316,73 @@ ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::BF16> x2, ffi::Buf
   return ffi::Error::Success();
 }
 
+// The layouts above from per-tile arrays: w int8 (grid_k, 256, T N), s bf16 (grid_k, 256, N) (empty
+// without read noise). Word lines past K and columns past N are zeros; corr = 128 sum_k w.
+ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::BF16> s, int64_t k, int64_t terms, int64_t noise,
+                     ffi::ResultBuffer<ffi::S8> wp, ffi::ResultBuffer<ffi::S32> corr,
+                     ffi::ResultBuffer<ffi::BF16> sp) {
+  const auto wd = w.dimensions();
+  const auto pd = wp->dimensions();
+  if (wd.size() != 3 || wd[1] != kTileRows || pd.size() != 6 || pd[2] != terms)
+    return ffi::Error::InvalidArgument("sidra_pack_tiles: unexpected operand layout");
+  const int64_t gk = wd[0], n = wd[2] / terms, nv = pd[1], ld = wd[2];
+  const int8_t* src = w.typed_data();
+  int8_t* dst = wp->typed_data();
+  int32_t* c = corr->typed_data();
+  // 16 columns of 4 word lines: each row's bytes widened to 32-bit lanes and shifted into place
+  // (one 64-byte store per group); rows past K and columns past N load as zeros.
+  for (int64_t tile = 0; tile < gk; ++tile) {
+    const int64_t live = std::clamp<int64_t>(k - tile * kTileRows, 0, kTileRows);
+    for (int64_t v = 0; v < nv; ++v) {
+      const __mmask16 m = column_mask(static_cast<int>(n - v * kLanes));
+      for (int64_t t = 0; t < terms; ++t) {
+        const int8_t* col = src + tile * kTileRows * ld + t * n + v * kLanes;
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t row = 0; row < kTileRows; row += 4, dst += kGroupBytes) {
+          __m512i word = _mm512_setzero_si512();
+          for (int j = 0; j < 4; ++j) {
+            const __m128i b = row + j < live ? _mm_maskz_loadu_epi8(m, col + (row + j) * ld) : _mm_setzero_si128();
+            sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(b));
+            word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 8 * j));
+          }
+          _mm512_storeu_si512(dst, word);
+        }
+        _mm512_storeu_si512(c, _mm512_slli_epi32(sum, 7));  // 128 sum_k w
+        c += kLanes;
+      }
+    }
+  }
+  if (!noise) return ffi::Error::Success();
+  const uint16_t* vs = reinterpret_cast<const uint16_t*>(s.typed_data());
+  uint16_t* vd = reinterpret_cast<uint16_t*>(sp->typed_data());
+  for (int64_t tile = 0; tile < gk; ++tile) {
+    const int64_t live = std::clamp<int64_t>(k - tile * kTileRows, 0, kTileRows);
+    for (int64_t v = 0; v < nv; ++v) {
+      const __mmask16 m = column_mask(static_cast<int>(n - v * kLanes));
+      const uint16_t* col = vs + tile * kTileRows * n + v * kLanes;
+      for (int64_t row = 0; row < kTileRows; row += 2, vd += kGroupBytes / 2) {
+        const __m256i lo = row < live ? _mm256_maskz_loadu_epi16(m, col + row * n) : _mm256_setzero_si256();
+        const __m256i hi = row + 1 < live ? _mm256_maskz_loadu_epi16(m, col + (row + 1) * n) : _mm256_setzero_si256();
+        _mm512_storeu_si512(vd, _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraPackTiles, PackTiles,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("terms")
+                                  .Attr<int64_t>("noise")
+                                  .Ret<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraTileDots, TileDots,
                               ffi::Ffi::Bind()

@@ -111,6 +111,17 @@ def test_unpack_inverts_pack_and_zeroes_dead_word_lines(terms):
     assert sp.dtype == jnp.bfloat16 and sp.shape == (2, 2, 128, 16, 2)
 
 
+@needs_vnni
+def test_a_fresh_build_exports_both_kernels(tmp_path):
+    """What a clean machine does at the first snapshot: compile the source into the cache."""
+    import ctypes
+
+    vnni._build(tmp_path / "k.so")
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    assert lib.SidraTileDots and lib.SidraPackTiles
+    assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
+
+
 def test_a_failed_build_names_the_command(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match="false .*failed"):
