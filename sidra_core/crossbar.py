@@ -652,6 +652,46 @@ def _variance(x, var):
     return jnp.matmul((x * x).astype(var.dtype), var, preferred_element_type=jnp.float32)
 
 
+def _read_tiles(snap: Snapshot, x2, seed, qmax: float):
+    """The tiles' sum of one read of DAC codes x2 (rows, K) in XLA: partial sums, read noise, ADC."""
+    s = snap.shape
+    grid_k, n_pad = s.grid_k, s.n
+    rows = x2.shape[0]
+    if s.narrow:  # every tile's partial sums and noise variances from one block-diagonal matmul each
+        xp = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
+        p_all = snap.partial_sums(snap.lhs(xp), 0, grid_k * s.rows)
+        v_all = None if snap.var is None else _variance(xp, snap.var[0])
+    # One tile after another (unrolled; XLA:CPU's batched matmul is ~2x slower than separate
+    # ones), so each tile's partial sums, noise, ADC and accumulation form one chain with a single
+    # consumer, which XLA fuses into one pass instead of materialising every tile's noisy sums
+    # (~40 % faster than batched). The last tile's unused word lines (K not a multiple of the
+    # tile) carry zero inputs: skipped.
+    y = None
+    xl = snap.lhs(x2)
+    z = None
+    for i in range(grid_k):
+        used = min(s.rows, s.k - i * s.rows)
+        xi = x2[:, i * s.rows:i * s.rows + used]
+        cols = slice(i * n_pad, (i + 1) * n_pad)
+        # the tile's analog partial sums
+        if s.narrow:
+            p = p_all[:, cols]
+        else:
+            p = snap.partial_sums(xl[:, i * s.rows:i * s.rows + used], i, used)
+        if snap.var is not None:
+            var = v_all[:, cols] if s.narrow else _variance(xi, snap.var[i][:used])
+            if i % 2 == 0:
+                # One Box-Muller pair per (tile pair, row, column), counters in row-major order
+                # (each read draws fresh normals): the pair's two tiles share its log and sqrt,
+                # and both land in the one fused accumulation pass.
+                counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i // 2 * rows * n_pad)
+                z = rng.box_muller(seed, counters)
+            p = p + jnp.sqrt(var) * z[i % 2]
+        p = _adc(p, None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
+        y = p if y is None else y + p  # digital accumulation of the tiles
+    return y
+
+
 @host.jit(static_argnames=("dac_bits", "adc_bits"))
 def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, adc_bits: int = 8):
     """y = x @ W (+ bias) as the crossbar computes it, for x of shape (..., K).
@@ -674,51 +714,17 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
         raise ValueError(f"this snapshot holds int8 weights for DAC codes of <= {_INT8_BITS} bits, "
                          f"got dac_bits={dac_bits}: run it with the settings of the chip that made it "
                          f"(mvm_kwargs(spec))")
-    grid_k, n_pad = s.grid_k, s.n
     x2 = x.reshape(-1, s.k).astype(jnp.float32)
     if dac_bits is not None:
         x2, xscale = quantise_rows(x2, dac_bits)
     else:
         xscale = None
-    rows = x2.shape[0]
     qmax = float(2 ** (adc_bits - 1) - 1)
-    if s.narrow:  # every tile's partial sums and noise variances from one block-diagonal matmul each
-        xp = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
-        p_all = snap.partial_sums(snap.lhs(xp), 0, grid_k * s.rows)
-        v_all = None if snap.var is None else _variance(xp, snap.var[0])
-    # One tile after another (unrolled; XLA:CPU's batched matmul is ~2x slower than separate
-    # ones), so each tile's partial sums, noise, ADC and accumulation form one chain with a single
-    # consumer, which XLA fuses into one pass instead of materialising every tile's noisy sums
-    # (~40 % faster than batched). The last tile's unused word lines (K not a multiple of the
-    # tile) carry zero inputs: skipped.
-    elif s.packed:  # every tile's partial sums and variances from one VNNI custom call
-        p_all, v_all = vnni.tile_dots(x2, snap.w[0], snap.corr, None if snap.var is None else snap.var[0],
-                                      k=s.k, n=s.n)
-    y = None
-    xl = snap.lhs(x2)
-    z = None
-    for i in range(grid_k):
-        used = min(s.rows, s.k - i * s.rows)
-        xi = x2[:, i * s.rows:i * s.rows + used]
-        cols = slice(i * n_pad, (i + 1) * n_pad)
-        # the tile's analog partial sums
-        if s.narrow:
-            p = p_all[:, cols]
-        elif s.packed:
-            p = p_all[i]
-        else:
-            p = snap.partial_sums(xl[:, i * s.rows:i * s.rows + used], i, used)
-        if snap.var is not None:
-            var = v_all[:, cols] if s.narrow else v_all[i] if s.packed else _variance(xi, snap.var[i][:used])
-            if i % 2 == 0:
-                # One Box-Muller pair per (tile pair, row, column), counters in row-major order
-                # (each read draws fresh normals): the pair's two tiles share its log and sqrt,
-                # and both land in the one fused accumulation pass.
-                counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i // 2 * rows * n_pad)
-                z = rng.box_muller(seed, counters)
-            p = p + jnp.sqrt(var) * z[i % 2]
-        p = _adc(p, None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
-        y = p if y is None else y + p  # digital accumulation of the tiles
+    if s.packed:  # the whole read as one VNNI custom call: dots, noise, ADC and tile sum
+        y = vnni.tile_read(x2, snap.w[0], snap.corr, None if snap.var is None else snap.var[0], snap.lsb, snap.gain,
+                           seed, k=s.k, n=s.n, qmax=qmax)
+    else:
+        y = _read_tiles(snap, x2, seed, qmax)
     if xscale is not None:
         y = y * xscale
     y = y * snap.scale
@@ -746,7 +752,10 @@ def clipped_fraction(snap: Snapshot, x, spec: ChipSpec) -> float:
     x2 = jnp.asarray(x, jnp.float32).reshape(-1, s.k)
     if spec.dac.enabled:
         x2, _ = quantise_rows(x2, spec.dac.bits)
-    x2 = jnp.pad(x2, ((0, 0), (0, s.grid_k * s.rows - s.k)))
-    p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], s.grid_k, s.rows), 0, 1), snap.weights())
+    if s.packed:  # the kernel's own partial sums
+        p = vnni.tile_dots(x2, snap.w[0], snap.corr, None, k=s.k, n=s.n)[0]
+    else:
+        x2 = jnp.pad(x2, ((0, 0), (0, s.grid_k * s.rows - s.k)))
+        p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], s.grid_k, s.rows), 0, 1), snap.weights())
     qmax = 2 ** (spec.adc.bits - 1) - 1
     return float(jnp.mean(jnp.abs(p / snap.lsb[:, None, :]) > qmax + 0.5))

@@ -1,9 +1,10 @@
-"""The crossbar's partial sums as AVX-512 VNNI dots: a small C++ XLA custom call (`vnni_dots.cc`).
+"""The crossbar's reads as AVX-512 VNNI dots: small C++ XLA custom calls (`vnni_dots.cc`).
 
 On hosts without AMX, XLA:CPU's int8 dot runs at its float32 speed, while the CPU's VNNI
-instructions do int8 MACs at 4x its float32 FMA rate (torch's oneDNN int8 GEMM shows it). The
-kernel computes every tile's INT8 partial sums and bfloat16 read-noise variances in one call;
-the noise draw, ADC and tile sum stay in the MVM's XLA program. It is compiled once per source
+instructions do int8 MACs at 4x its float32 FMA rate (torch's oneDNN int8 GEMM shows it). One
+call computes every tile's INT8 partial sums and bfloat16 read-noise variances (`tile_dots`);
+the MVM's (`tile_read`) goes on to the noise draw, the ADC and the tile sum in the same pass,
+drawing the noise as `sidra_core.rng.box_muller` does. It is compiled once per source
 and jaxlib version into the user's cache (a C++ compiler is needed; without one, or on a CPU
 without AVX-512 VNNI and BF16, `available()` is false and the XLA dots are used).
 """
@@ -26,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "sidra_tile_dots"
+READ_TARGET = "sidra_tile_read"
 PACK_TARGET = "sidra_pack_tiles"
 _SOURCE = Path(__file__).with_name("vnni_dots.cc")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
-          "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma")
+          "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma", "-ffp-contract=off")
 _CPU_FEATURES = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
 
 TILE_ROWS = 256
@@ -72,6 +74,7 @@ def load(path: Path | None = None) -> None:
         _build(path)
     lib = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SidraTileDots), platform="cpu")
+    jax.ffi.register_ffi_target(READ_TARGET, jax.ffi.pycapsule(lib.SidraTileRead), platform="cpu")
     jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.SidraPackTiles), platform="cpu")
 
 
@@ -117,20 +120,40 @@ def unpack(wp, n: int):
     return w.reshape(gk, groups * four, terms * n)
 
 
+def _operands(codes, wp, sp, k: int):
+    """The kernel's inputs from INT8 DAC codes (rows, K): codes + 128 as uint8 and, with variances,
+    codes^2 in bfloat16, both padded to whole tiles; empty stand-ins without read noise."""
+    kp = wp.shape[0] * TILE_ROWS
+    xu = jnp.pad((codes + 128).astype(jnp.uint8), ((0, 0), (0, kp - k)), constant_values=128)
+    if sp is not None:
+        return xu, jnp.pad((codes * codes).astype(jnp.bfloat16), ((0, 0), (0, kp - k))), sp
+    return xu, jnp.zeros((0, 0), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)
+
+
 def tile_dots(codes, wp, corr, sp, *, k: int, n: int):
     """Every tile's partial sums p (grid_k, rows, N) of INT8 DAC codes (rows, K) against the
     packed weights, as float32 (whole + fraction / 254 for two terms), and with variances `sp`
     their read-noise variances v = x^2 @ s (bfloat16 operands, float32 sums), else None."""
     gk, terms = wp.shape[0], wp.shape[2]
-    rows = codes.shape[0]
-    kp = gk * TILE_ROWS
-    xu = jnp.pad((codes + 128).astype(jnp.uint8), ((0, 0), (0, kp - k)), constant_values=128)
     noise = sp is not None
-    if noise:
-        x2 = jnp.pad((codes * codes).astype(jnp.bfloat16), ((0, 0), (0, kp - k)))
-    else:
-        x2, sp = jnp.zeros((0, 0), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)
-    out = jax.ShapeDtypeStruct((gk, rows, n), jnp.float32)
+    xu, x2, sv = _operands(codes, wp, sp, k)
+    out = jax.ShapeDtypeStruct((gk, codes.shape[0], n), jnp.float32)
     p, v = jax.ffi.ffi_call(TARGET, (out, out))(
-        xu, x2, wp, corr, sp, k=np.int64(k), n=np.int64(n), terms=np.int64(terms), noise=np.int64(noise))
+        xu, x2, wp, corr, sv, k=np.int64(k), n=np.int64(n), terms=np.int64(terms), noise=np.int64(noise))
     return p, (v if noise else None)
+
+
+def tile_read(codes, wp, corr, sp, lsb, gain, seed, *, k: int, n: int, qmax: float):
+    """The tiles' sum (rows, N) of one read of INT8 DAC codes (rows, K), in DAC-code x weight-code
+    units: each tile's partial sums, with variances `sp` plus read noise drawn as
+    `crossbar.mvm` draws it (`seed`), through the ADC of step `lsb` (grid_k, N) and +-qmax codes
+    when given, times the drift gain (grid_k, N) when given; the same bits as the XLA path."""
+    terms = wp.shape[2]
+    noise = sp is not None
+    xu, x2, sv = _operands(codes, wp, sp, k)
+    empty = jnp.zeros((0,), jnp.float32)
+    out = jax.ShapeDtypeStruct((codes.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(READ_TARGET, out)(
+        xu, x2, wp, corr, sv, empty if lsb is None else lsb, empty if gain is None else gain,
+        jnp.asarray(0 if seed is None else seed, jnp.uint32), k=np.int64(k), n=np.int64(n), terms=np.int64(terms),
+        noise=np.int64(noise), qmax=np.float32(qmax))

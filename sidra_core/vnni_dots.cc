@@ -1,6 +1,5 @@
-// The crossbar tiles' partial sums and read-noise variances as AVX-512 VNNI / BF16 dots, an XLA
-// FFI custom call (sidra_core/vnni.py builds and registers it; the MVM's noise, ADC and tile sum
-// stay in XLA). XLA:CPU's int8 dot runs at its float32 speed on hosts without AMX, while
+// The crossbar's reads as AVX-512 VNNI / BF16 XLA FFI custom calls (sidra_core/vnni.py builds and
+// registers them). XLA:CPU's int8 dot runs at its float32 speed on hosts without AMX, while
 // vpdpbusd does 64 int8 MACs an instruction: 4x the float32 FMA rate.
 //
 // Per 256-row tile, for each input row and tile column:
@@ -8,11 +7,15 @@
 //   v = sum_k x_k^2 s_k (x^2 and the cell variances s in bfloat16, float32 sums)
 // vpdpbusd multiplies unsigned by signed bytes, so the inputs come as x + 128 and each column
 // subtracts 128 sum_k w_k (precomputed). Integer sums are exact: |sum| <= 256 * 255 * 127 < 2^31.
+// sidra_tile_dots returns p and v of every tile; sidra_tile_read goes on while they are in L1:
+// read noise sqrt(v) z (z: sidra_core.rng.box_muller's draw, bit for bit), the ADC, the tile sum,
+// so one MVM writes its (rows, N) result instead of 2 x grid_k arrays of that size for XLA to
+// read back (256 x 1024 x 1024: 4.3 -> 3.8 ms).
 //
 // Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 bf16 (rows, Kp), Kp = grid_k * 256;
 // w int8 (grid_k, NV, T, 64, 16, 4): 16-column vectors, T terms (whole[, fraction]), 4 word lines
 // per 32-bit lane; corr int32 (grid_k, NV, T, 16); s bf16 (grid_k, NV, 128, 16, 2);
-// outputs p, v float32 (grid_k, rows, N).
+// outputs p, v float32 (grid_k, rows, N); y float32 (rows, N).
 
 #include <immintrin.h>
 
@@ -170,66 +173,208 @@ struct Problem {
   const int8_t* w;
   const int32_t* corr;
   const uint16_t* s;
-  float* p;
-  float* v;
   int64_t rows, k, n, grid_k, nv, kp;
   int terms;
 };
 
-// One work item: the partial sums (and variances) of one tile's 64-column panel for all rows.
-void run_item(const Problem& q, int64_t item) {
-  const int64_t panels = (q.nv + kPanel - 1) / kPanel;
-  const int64_t tile = item / panels, v0 = (item % panels) * kPanel;
+// One tile's partial sums (and variances, to v unless null) of one 64-column panel (vectors v0..)
+// for `nrows` input rows from row0, written with leading dimension ldo.
+void panel_dots(const Problem& q, int64_t tile, int64_t v0, int64_t row0, int64_t nrows, float* p, float* v,
+                int64_t ldo) {
   const int64_t used = std::min<int64_t>(kTileRows, q.k - tile * kTileRows);
   const int groups = static_cast<int>((used + 3) / 4), pairs = static_cast<int>((used + 1) / 2);
   const int64_t col0 = v0 * kLanes;
-  float* p = q.p + tile * q.rows * q.n + col0;
-  const uint8_t* x = q.xu + tile * kTileRows;
+  const uint8_t* x = q.xu + row0 * q.kp + tile * kTileRows;
   const int64_t vec_bytes = int64_t{kTileRows / 4} * kGroupBytes;
   // signal: kPanel / terms vectors at a time (4 accumulators per row)
   const int step = q.terms == 2 ? 2 : 4;
-  for (int64_t v = v0; v < std::min(q.nv, v0 + kPanel); v += step) {
-    const int nvb = static_cast<int>(std::min<int64_t>(step, q.nv - v));
-    const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, q.n - v * kLanes));
-    const int8_t* w = q.w + (tile * q.nv + v) * q.terms * vec_bytes;
-    const int32_t* c = q.corr + (tile * q.nv + v) * q.terms * kLanes;
-    float* o = p + (v - v0) * kLanes;
+  for (int64_t vv = v0; vv < std::min(q.nv, v0 + kPanel); vv += step) {
+    const int nvb = static_cast<int>(std::min<int64_t>(step, q.nv - vv));
+    const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, q.n - vv * kLanes));
+    const int8_t* w = q.w + (tile * q.nv + vv) * q.terms * vec_bytes;
+    const int32_t* c = q.corr + (tile * q.nv + vv) * q.terms * kLanes;
+    float* o = p + (vv - v0) * kLanes;
     if (q.terms == 2) {
-      if (nvb == 2) signal_rows<2, 2>(q.rows, x, q.kp, w, c, groups, o, q.n, valid);
-      else signal_rows<1, 2>(q.rows, x, q.kp, w, c, groups, o, q.n, valid);
+      if (nvb == 2) signal_rows<2, 2>(nrows, x, q.kp, w, c, groups, o, ldo, valid);
+      else signal_rows<1, 2>(nrows, x, q.kp, w, c, groups, o, ldo, valid);
     } else {
       switch (nvb) {
-        case 4: signal_rows<4, 1>(q.rows, x, q.kp, w, c, groups, o, q.n, valid); break;
-        case 3: signal_rows<3, 1>(q.rows, x, q.kp, w, c, groups, o, q.n, valid); break;
-        case 2: signal_rows<2, 1>(q.rows, x, q.kp, w, c, groups, o, q.n, valid); break;
-        default: signal_rows<1, 1>(q.rows, x, q.kp, w, c, groups, o, q.n, valid); break;
+        case 4: signal_rows<4, 1>(nrows, x, q.kp, w, c, groups, o, ldo, valid); break;
+        case 3: signal_rows<3, 1>(nrows, x, q.kp, w, c, groups, o, ldo, valid); break;
+        case 2: signal_rows<2, 1>(nrows, x, q.kp, w, c, groups, o, ldo, valid); break;
+        default: signal_rows<1, 1>(nrows, x, q.kp, w, c, groups, o, ldo, valid); break;
       }
     }
   }
-  if (q.x2 == nullptr) return;
+  if (q.x2 == nullptr || v == nullptr) return;
   const int nvb = static_cast<int>(std::min<int64_t>(kPanel, q.nv - v0));
   const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, q.n - col0));
-  const uint16_t* x2 = q.x2 + tile * kTileRows;
+  const uint16_t* x2 = q.x2 + row0 * q.kp + tile * kTileRows;
   const uint16_t* s = q.s + (tile * q.nv + v0) * (kTileRows / 2) * (kGroupBytes / 2);
-  float* o = q.v + tile * q.rows * q.n + col0;
   switch (nvb) {
-    case 4: variance_rows<4>(q.rows, x2, q.kp, s, pairs, o, q.n, valid); break;
-    case 3: variance_rows<3>(q.rows, x2, q.kp, s, pairs, o, q.n, valid); break;
-    case 2: variance_rows<2>(q.rows, x2, q.kp, s, pairs, o, q.n, valid); break;
-    default: variance_rows<1>(q.rows, x2, q.kp, s, pairs, o, q.n, valid); break;
+    case 4: variance_rows<4>(nrows, x2, q.kp, s, pairs, v, ldo, valid); break;
+    case 3: variance_rows<3>(nrows, x2, q.kp, s, pairs, v, ldo, valid); break;
+    case 2: variance_rows<2>(nrows, x2, q.kp, s, pairs, v, ldo, valid); break;
+    default: variance_rows<1>(nrows, x2, q.kp, s, pairs, v, ldo, valid); break;
   }
+}
+
+// sidra_core.rng.box_muller for 16 counters, operation for operation as XLA:CPU compiles it (LLVM
+// contracts each product feeding a sum into one FMA), so both give the same bits.
+inline __m512i mix32(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+inline __m512 uniform_bits(__m512i b) {  // ((b >> 9) + 0.5) / 2^23, in (0, 1)
+  return _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 9)), _mm512_set1_ps(0.5f)),
+                       _mm512_set1_ps(1.0f / (1 << 23)));
+}
+
+constexpr float kLog[] = {-0.0064535442f, 0.0360884937f, -0.0953293897f, 0.1676540711f, -0.2407338084f,
+                          0.3317990258f, -0.4998741238f, 0.9999964239f};
+// sin(a) / a and cos(a) Taylor coefficients, highest order first, rounded from double as
+// rng._SIN and rng._COS are
+constexpr float kSin[] = {static_cast<float>(-1.0 / 39916800), static_cast<float>(1.0 / 362880),
+                          static_cast<float>(-1.0 / 5040), static_cast<float>(1.0 / 120),
+                          static_cast<float>(-1.0 / 6), 1.0f};
+constexpr float kCos[] = {static_cast<float>(1.0 / 479001600), static_cast<float>(-1.0 / 3628800),
+                          static_cast<float>(1.0 / 40320), static_cast<float>(-1.0 / 720),
+                          static_cast<float>(1.0 / 24), -0.5f, 1.0f};
+
+inline void box_muller(__m512i seed, __m512i counter, __m512& z0, __m512& z1) {
+  const __m512i h = _mm512_xor_si512(_mm512_mullo_epi32(counter, _mm512_set1_epi32(static_cast<int>(0x9E3779B9u))),
+                                     seed);
+  const __m512i b = mix32(_mm512_add_epi32(mix32(h), _mm512_xor_si512(seed, _mm512_set1_epi32(0x68E31DA4))));
+  // r = sqrt(-2 log u1), the log from the exponent and a polynomial of the mantissa
+  const __m512i ub = _mm512_castps_si512(uniform_bits(b));
+  const __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(ub, 23), _mm512_set1_epi32(0xFF)),
+                                                       _mm512_set1_epi32(127)));
+  const __m512 t = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(ub, _mm512_set1_epi32(0x7FFFFF)),
+                                                                     _mm512_set1_epi32(0x3F800000))),
+                                 _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kLog[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(kLog[i]));
+  const __m512 lg = _mm512_fmadd_ps(e, _mm512_set1_ps(0.6931471805599453f), _mm512_mul_ps(p, t));
+  const __m512 r = _mm512_sqrt_ps(_mm512_mul_ps(_mm512_set1_ps(-2.0f), lg));
+  // the angle 2 pi t from re-mixed bits; sine and cosine of its half by the double-angle formulas
+  const __m512i b2 = mix32(_mm512_xor_si512(b, _mm512_set1_epi32(0x5BD1E995)));
+  const __m512 a = _mm512_mul_ps(_mm512_set1_ps(3.14159265358979f),
+                                 _mm512_sub_ps(uniform_bits(b2), _mm512_set1_ps(0.5f)));
+  const __m512 a2 = _mm512_mul_ps(a, a);
+  __m512 ps = _mm512_set1_ps(kSin[0]), pc = _mm512_set1_ps(kCos[0]);
+  for (int i = 1; i < 6; ++i) ps = _mm512_fmadd_ps(ps, a2, _mm512_set1_ps(kSin[i]));
+  for (int i = 1; i < 7; ++i) pc = _mm512_fmadd_ps(pc, a2, _mm512_set1_ps(kCos[i]));
+  const __m512 sn = _mm512_mul_ps(a, ps);
+  z0 = _mm512_mul_ps(r, _mm512_fmadd_ps(pc, pc, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(sn, sn))));
+  z1 = _mm512_mul_ps(r, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f), sn), pc));
+}
+
+struct Job {
+  Problem q;
+  float* p = nullptr;  // TileDots: every tile's sums and variances (grid_k, rows, N)
+  float* v = nullptr;
+  float* y = nullptr;  // TileRead: the tile sum after noise and ADC (rows, N)
+  const float* lsb = nullptr;   // (grid_k, N) or null: no ADC
+  const float* gain = nullptr;  // (grid_k, N) or null
+  uint32_t seed = 0;
+  float qmax = 0;
+  int64_t panels = 0, blocks = 0;
+};
+
+constexpr int64_t kReadRows = 24;  // rows of one read work item: its tile's sums stay in L1
+
+// TileDots' work item: one tile's 64-column panel for all rows.
+void dots_item(const Job& j, int64_t item) {
+  const Problem& q = j.q;
+  const int64_t tile = item / j.panels, v0 = (item % j.panels) * kPanel;
+  const int64_t off = tile * q.rows * q.n + v0 * kLanes;
+  panel_dots(q, tile, v0, 0, q.rows, j.p + off, q.x2 ? j.v + off : nullptr, q.n);
+}
+
+// TileRead's work item: a 64-column panel of kReadRows rows through every tile: partial sums,
+// read noise (the Box-Muller pair of tiles 2m and 2m + 1 drawn once), ADC and the digital sum,
+// in the order of sidra_core.crossbar.mvm's XLA path.
+void read_item(const Job& j, int64_t item) {
+  const Problem& q = j.q;
+  const int64_t v0 = (item / j.blocks) * kPanel, row0 = (item % j.blocks) * kReadRows;
+  const int64_t nrows = std::min(kReadRows, q.rows - row0);
+  const int nvb = static_cast<int>(std::min<int64_t>(kPanel, q.nv - v0));
+  const int64_t col0 = v0 * kLanes;
+  constexpr int kW = kPanel * kLanes;
+  alignas(64) float p[kReadRows * kW], v[kReadRows * kW], z1[kReadRows * kW], y[kReadRows * kW];
+  if (q.n - col0 < kW) {  // a panel past the last column: its dead lanes hold zeros, not stack garbage
+    std::fill(p, p + kReadRows * kW, 0.0f);
+    std::fill(v, v + kReadRows * kW, 0.0f);
+  }
+  const bool noise = q.x2 != nullptr;
+  const __m512i seed = _mm512_set1_epi32(static_cast<int>(j.seed));
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 qmax = _mm512_set1_ps(j.qmax), qmin = _mm512_set1_ps(-j.qmax);
+  for (int64_t tile = 0; tile < q.grid_k; ++tile) {
+    panel_dots(q, tile, v0, row0, nrows, p, noise ? v : nullptr, kW);
+    // counters as the XLA path's: row-major over (rows, N) per tile pair, wrapping in uint32
+    const uint32_t base = static_cast<uint32_t>(tile / 2) * static_cast<uint32_t>(q.rows) * static_cast<uint32_t>(q.n);
+    for (int vec = 0; vec < nvb; ++vec) {
+      const int64_t c = col0 + vec * kLanes;
+      const __mmask16 m = column_mask(static_cast<int>(q.n - c));
+      const __m512 lsb = j.lsb ? _mm512_maskz_loadu_ps(m, j.lsb + tile * q.n + c) : _mm512_setzero_ps();
+      const __m512 gain = j.gain ? _mm512_maskz_loadu_ps(m, j.gain + tile * q.n + c) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < nrows; ++r) {
+        const int64_t at = r * kW + vec * kLanes;
+        __m512 s = _mm512_load_ps(p + at);
+        if (noise) {
+          __m512 z;
+          if (tile % 2 == 0) {
+            const uint32_t first = base + static_cast<uint32_t>((row0 + r) * q.n + c);
+            __m512 other;
+            box_muller(seed, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lane), z, other);
+            _mm512_store_ps(z1 + at, other);
+          } else {
+            z = _mm512_load_ps(z1 + at);
+          }
+          s = _mm512_fmadd_ps(_mm512_sqrt_ps(_mm512_load_ps(v + at)), z, s);
+        }
+        // the ADC: round half to even, clip to +-qmax codes, back to the step (XLA's order)
+        __m512 codes = s, step = _mm512_set1_ps(1.0f);
+        if (j.lsb) {
+          codes = _mm512_min_ps(_mm512_max_ps(
+              _mm512_roundscale_ps(_mm512_div_ps(s, lsb), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), qmin), qmax);
+          step = lsb;
+        }
+        if (j.gain) {
+          codes = j.lsb ? _mm512_mul_ps(codes, lsb) : codes;
+          step = gain;
+        }
+        __m512 out;
+        if (!j.lsb && !j.gain) out = tile == 0 ? s : _mm512_add_ps(_mm512_load_ps(y + at), s);
+        else out = tile == 0 ? _mm512_mul_ps(codes, step) : _mm512_fmadd_ps(codes, step, _mm512_load_ps(y + at));
+        _mm512_store_ps(y + at, out);
+      }
+    }
+  }
+  for (int64_t r = 0; r < nrows; ++r)
+    for (int vec = 0; vec < nvb; ++vec) {
+      const int64_t c = col0 + vec * kLanes;
+      _mm512_mask_storeu_ps(j.y + (row0 + r) * q.n + c, column_mask(static_cast<int>(q.n - c)),
+                            _mm512_load_ps(y + r * kW + vec * kLanes));
+    }
 }
 
 // Items are taken from a shared counter by the caller and the helper threads. The caller waits
 // only for items in progress: a helper that comes late finds none and drops the job.
 struct Work {
-  Problem q;
+  Job job;
+  void (*item)(const Job&, int64_t);
   int64_t items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   void drain() {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      run_item(q, i);
+      item(job, i);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -289,30 +434,70 @@ class Helpers {
 // Below this many MACs a call runs on the calling thread alone: waking a helper costs more.
 constexpr int64_t kParallelMacs = int64_t{1} << 22;
 
-ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::BF16> x2, ffi::Buffer<ffi::S8> w,
-                    ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::BF16> s, int64_t k, int64_t n, int64_t terms,
-                    int64_t noise, ffi::ResultBuffer<ffi::F32> p, ffi::ResultBuffer<ffi::F32> v) {
+// The operands common to both calls, checked; false: not the layout vnni.py packs.
+bool problem(ffi::Buffer<ffi::U8>& xu, ffi::Buffer<ffi::BF16>& x2, ffi::Buffer<ffi::S8>& w,
+             ffi::Buffer<ffi::S32>& corr, ffi::Buffer<ffi::BF16>& s, int64_t k, int64_t n, int64_t terms,
+             int64_t noise, Problem& q) {
   const auto xd = xu.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 6 || (terms != 1 && terms != 2) || wd[2] != terms)
-    return ffi::Error::InvalidArgument("sidra_tile_dots: unexpected operand layout");
-  auto work = std::make_shared<Work>();
-  work->q = Problem{xu.typed_data(),
-                    noise ? reinterpret_cast<const uint16_t*>(x2.typed_data()) : nullptr,
-                    w.typed_data(),
-                    corr.typed_data(),
-                    reinterpret_cast<const uint16_t*>(s.typed_data()),
-                    p->typed_data(),
-                    v->typed_data(),
-                    xd[0], k, n, wd[0], wd[1], xd[1], static_cast<int>(terms)};
-  work->items = work->q.grid_k * ((work->q.nv + kPanel - 1) / kPanel);
-  if (work->q.rows == 0 || work->items == 0) return ffi::Error::Success();
-  const int64_t macs = work->q.rows * k * n * (terms + (noise ? 2 : 0));
+  if (xd.size() != 2 || wd.size() != 6 || (terms != 1 && terms != 2) || wd[2] != terms) return false;
+  q = Problem{xu.typed_data(),
+              noise ? reinterpret_cast<const uint16_t*>(x2.typed_data()) : nullptr,
+              w.typed_data(),
+              corr.typed_data(),
+              reinterpret_cast<const uint16_t*>(s.typed_data()),
+              xd[0], k, n, wd[0], wd[1], xd[1], static_cast<int>(terms)};
+  return true;
+}
+
+// All items of a job, shared with the helpers when it is large enough to pay for waking them.
+void execute(const std::shared_ptr<Work>& work) {
+  const Problem& q = work->job.q;
+  if (q.rows == 0 || work->items == 0) return;
+  const int64_t macs = q.rows * q.k * q.n * (q.terms + (q.x2 ? 2 : 0));
   if (work->items > 1 && macs >= kParallelMacs && Helpers::get().count() > 0) {
     Helpers::get().run(work);
   } else {
     work->drain();
   }
+}
+
+ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::BF16> x2, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::BF16> s, int64_t k, int64_t n, int64_t terms,
+                    int64_t noise, ffi::ResultBuffer<ffi::F32> p, ffi::ResultBuffer<ffi::F32> v) {
+  auto work = std::make_shared<Work>();
+  Job& j = work->job;
+  if (!problem(xu, x2, w, corr, s, k, n, terms, noise, j.q))
+    return ffi::Error::InvalidArgument("sidra_tile_dots: unexpected operand layout");
+  j.p = p->typed_data();
+  j.v = v->typed_data();
+  j.panels = (j.q.nv + kPanel - 1) / kPanel;
+  work->item = dots_item;
+  work->items = j.q.grid_k * j.panels;
+  execute(work);
+  return ffi::Error::Success();
+}
+
+// The whole read but the DAC and the dequantisation: y (rows, N) = sum over tiles of
+// ADC(p + sqrt(v) z) (the ADC only with `lsb`, the gain only with `gain`; both (grid_k, N) or empty).
+ffi::Error TileRead(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::BF16> x2, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::BF16> s, ffi::Buffer<ffi::F32> lsb,
+                    ffi::Buffer<ffi::F32> gain, ffi::Buffer<ffi::U32> seed, int64_t k, int64_t n, int64_t terms,
+                    int64_t noise, float qmax, ffi::ResultBuffer<ffi::F32> y) {
+  auto work = std::make_shared<Work>();
+  Job& j = work->job;
+  if (!problem(xu, x2, w, corr, s, k, n, terms, noise, j.q) || seed.element_count() != 1)
+    return ffi::Error::InvalidArgument("sidra_tile_read: unexpected operand layout");
+  j.y = y->typed_data();
+  j.lsb = lsb.element_count() ? lsb.typed_data() : nullptr;
+  j.gain = gain.element_count() ? gain.typed_data() : nullptr;
+  j.seed = seed.typed_data()[0];
+  j.qmax = qmax;
+  j.panels = (j.q.nv + kPanel - 1) / kPanel;
+  j.blocks = (j.q.rows + kReadRows - 1) / kReadRows;
+  work->item = read_item;
+  work->items = j.panels * j.blocks;
+  execute(work);
   return ffi::Error::Success();
 }
 
@@ -371,6 +556,16 @@ ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::BF16> s, int64_t k
   return ffi::Error::Success();
 }
 
+// The operands of both dot kernels (xu, x2, w, corr, s; see `problem`).
+auto DotOperands() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::U8>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::Buffer<ffi::S8>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::BF16>>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraPackTiles, PackTiles,
@@ -385,15 +580,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraPackTiles, PackTiles,
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraTileDots, TileDots,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                              DotOperands()
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("terms")
                                   .Attr<int64_t>("noise")
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraTileRead, TileRead,
+                              DotOperands()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("terms")
+                                  .Attr<int64_t>("noise")
+                                  .Attr<float>("qmax")
                                   .Ret<ffi::Buffer<ffi::F32>>());

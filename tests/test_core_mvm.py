@@ -237,7 +237,8 @@ def int8_dots(monkeypatch):
 @pytest.mark.parametrize("spec", [INT8, Y1], ids=["int8", "y1"])
 def test_the_dot_forms_agree(spec, monkeypatch):
     """INT8 codes give the same partial sums in every form; y1's analog weights are (whole,
-    fraction) pairs with bfloat16 variances in the XLA int8 and VNNI forms (bit-identical outputs)
+    fraction) pairs with bfloat16 variances in the XLA int8 and VNNI forms (the same noise and ADC
+    codes; float32 rounding of the tile sum may differ where XLA contracts a product into a sum)
     and float32 weights and variances in the third, which agrees to 1/508 of a code."""
     w, x = _rand((600, 300), 7, 0.05), _rand((9, 600), 8)
     st = sc.program(w, spec, seed=2)
@@ -253,7 +254,7 @@ def test_the_dot_forms_agree(spec, monkeypatch):
         out[form] = np.asarray(sc.mvm(snap, jnp.asarray(x), jnp.uint32(4), None, **sc.mvm_kwargs(spec)))
     ref = out.pop("float32-dots")
     for got in out.values():
-        np.testing.assert_array_equal(got, out["int8-dots"])
+        np.testing.assert_allclose(got, out["int8-dots"], rtol=0, atol=1e-6 * np.abs(ref).max())
         if spec is INT8:
             np.testing.assert_array_equal(got, ref)
         else:  # the same noise draws; an ADC code may flip where a partial sum sits on a rounding edge

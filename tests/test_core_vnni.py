@@ -1,5 +1,6 @@
-"""sidra_core.vnni: the AVX-512 VNNI / BF16 custom call for the crossbar's partial sums and read-noise
-variances, against float64 matmuls of the same operands; its layouts, threads and build errors."""
+"""sidra_core.vnni: the AVX-512 VNNI / BF16 custom calls for the crossbar's partial sums and read-noise
+variances, against float64 matmuls of the same operands; the fused read against the same steps in
+XLA; layouts, threads and build errors."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sidra_core import vnni
+from sidra_core import rng, vnni
 
 needs_vnni = pytest.mark.skipif(not vnni.available(), reason="this host cannot run the AVX-512 VNNI kernel")
 
@@ -39,9 +40,13 @@ def _reference(w, var, codes, k, n, terms):
     return np.stack(p), np.stack(v)
 
 
-def _run(w, var, codes, k, n, terms, noise=True):
-    wp, corr, sp = jax.jit(vnni.pack, static_argnames=("k", "terms"))(
+def _pack(w, var, k, terms, noise=True):
+    return jax.jit(vnni.pack, static_argnames=("k", "terms"))(
         tuple(jnp.asarray(w)), tuple(jnp.asarray(var)) if noise else None, k=k, terms=terms)
+
+
+def _run(w, var, codes, k, n, terms, noise=True):
+    wp, corr, sp = _pack(w, var, k, terms, noise)
     p, v = jax.jit(lambda c: vnni.tile_dots(c, wp, corr, sp, k=k, n=n))(jnp.asarray(codes))
     return np.asarray(p), None if v is None else np.asarray(v)
 
@@ -77,6 +82,7 @@ def test_zero_rows():
     w, var, codes = _operands(0, 300, 40, 2, seed=1)
     p, v = _run(w, var, codes, 300, 40, 2)
     assert p.shape == v.shape == (2, 0, 40)
+    assert _read(w, var, codes, 300, 40, 2).shape == (0, 40)
 
 
 @needs_vnni
@@ -97,6 +103,88 @@ def test_calls_running_at_once_share_the_helpers():
         np.testing.assert_allclose(np.asarray(v), ve, rtol=1e-5, atol=1e-6 * ve.max())
 
 
+def _read(w, var, codes, k, n, terms, seed=5, noise=True, lsb=None, gain=None, qmax=127.0):
+    wp, corr, sp = _pack(w, var, k, terms, noise)
+    lsb, gain = (None if a is None else jnp.asarray(a) for a in (lsb, gain))
+    y = jax.jit(lambda c, s: vnni.tile_read(c, wp, corr, sp, lsb, gain, s, k=k, n=n, qmax=qmax))(
+        jnp.asarray(codes), jnp.uint32(seed))
+    return np.asarray(y)
+
+
+def _xla_read(p, v, seed, lsb=None, gain=None, qmax=127.0):
+    """The read's steps after the dots as sidra_core.crossbar's XLA path takes them, in one jitted
+    program (XLA contracts products into sums there): one Box-Muller pair per (tile pair, row,
+    column), counters row-major, noise, ADC, gain, tile sum in order."""
+
+    @jax.jit
+    def steps(p, v, lsb, gain):
+        gk, rows, n = p.shape
+        y = None
+        for i in range(gk):
+            t = p[i]
+            if v is not None:
+                if i % 2 == 0:
+                    z = rng.box_muller(jnp.uint32(seed), jax.lax.iota(jnp.uint32, rows * n).reshape(rows, n)
+                                       + jnp.uint32(i // 2 * rows * n))
+                t = t + jnp.sqrt(v[i]) * z[i % 2]
+            if lsb is not None:
+                t = jnp.clip(jnp.round(t / lsb[i]), -qmax, qmax) * lsb[i]
+            if gain is not None:
+                t = t * gain[i]
+            y = t if y is None else y + t
+        return y
+
+    return np.asarray(steps(p, v, lsb, gain))
+
+
+@needs_vnni
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("rows,k,n", [(1, 1, 1), (25, 515, 130), (7, 256, 64), (300, 768, 512)])
+def test_the_read_without_noise_or_adc_is_the_sum_of_the_tile_dots(rows, k, n, terms):
+    w, var, codes = _operands(rows, k, n, terms, seed=rows + k)
+    p, _ = _run(w, var, codes, k, n, terms, noise=False)
+    y = _read(w, var, codes, k, n, terms, noise=False)
+    np.testing.assert_array_equal(y, _xla_read(p, None, 0))
+
+
+@needs_vnni
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("rows,k,n,gain", [
+    (1, 1, 1, False), (25, 515, 130, True), (49, 300, 70, False), (7, 1024, 64, True),
+    (300, 768, 512, False),  # the helper threads
+])
+def test_the_fused_read_takes_the_xla_paths_steps(rows, k, n, gain, terms):
+    """Noise, ADC and gain on the kernel's sums give XLA's results: the same normals and ADC codes.
+    Where XLA contracts a product into a sum the kernel may round the other product, so the tile
+    sum can differ in its last bits and, rarely, an ADC code by one step."""
+    w, var, codes = _operands(rows, k, n, terms, seed=rows + n)
+    p, v = _run(w, var, codes, k, n, terms)
+    gk = w.shape[0]
+    rs = np.random.default_rng(k)
+    lsb = (np.abs(p).max(axis=1) / 150 + 1e-3).astype(np.float32)  # the largest sums clip at +-127 codes
+    g = (1 + 0.1 * rs.random((gk, n))).astype(np.float32) if gain else None
+    y = _read(w, var, codes, k, n, terms, seed=11, lsb=lsb, gain=g)
+    want = _xla_read(p, v, 11, lsb, g)
+    assert np.abs(want).max() > 0
+    last_bits = np.abs(y - want) <= 4e-7 * gk * np.abs(p).sum(0).max()
+    assert np.mean(last_bits) >= 0.999
+    step = (lsb * (1 if g is None else g)).max(axis=0)
+    assert np.all(np.abs(y - want) <= 1.01 * step)
+    assert np.any(np.abs(p) > 127.5 * lsb[:, None, :])  # clipping was exercised
+
+
+@needs_vnni
+def test_the_read_noise_is_standard_normal_times_the_variance_root():
+    w, var, codes = _operands(240, 600, 300, 2, seed=4)
+    p, v = _run(w, var, codes, 600, 300, 2)
+    clean = _read(w, var, codes, 600, 300, 2, noise=False)
+    noisy = _read(w, var, codes, 600, 300, 2, seed=1)
+    z = (noisy - clean) / np.sqrt(v.sum(0))
+    assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01  # 72,000 draws: sigma of either ~0.004
+    np.testing.assert_array_equal(_read(w, var, codes, 600, 300, 2, seed=1), noisy)  # a seed is one draw
+    assert np.mean(_read(w, var, codes, 600, 300, 2, seed=2) == noisy) < 0.01
+
+
 @pytest.mark.parametrize("terms", [1, 2])
 def test_unpack_inverts_pack_and_zeroes_dead_word_lines(terms):
     w, var, _ = _operands(1, 300, 21, terms, seed=3)
@@ -112,13 +200,13 @@ def test_unpack_inverts_pack_and_zeroes_dead_word_lines(terms):
 
 
 @needs_vnni
-def test_a_fresh_build_exports_both_kernels(tmp_path):
+def test_a_fresh_build_exports_every_kernel(tmp_path):
     """What a clean machine does at the first snapshot: compile the source into the cache."""
     import ctypes
 
     vnni._build(tmp_path / "k.so")
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
-    assert lib.SidraTileDots and lib.SidraPackTiles
+    assert lib.SidraTileDots and lib.SidraTileRead and lib.SidraPackTiles
     assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
 
 
