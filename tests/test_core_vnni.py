@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sidra_core import rng, vnni
+from sidra_core import crossbar, rng, vnni
 
 needs_vnni = pytest.mark.skipif(not vnni.available(), reason="this host cannot run the AVX-512 VNNI kernel")
 
@@ -127,10 +127,7 @@ def _xla_read(p, v, seed, lsb=None, gain=None, qmax=127.0):
                     z = rng.box_muller(jnp.uint32(seed), jax.lax.iota(jnp.uint32, rows * n).reshape(rows, n)
                                        + jnp.uint32(i // 2 * rows * n))
                 t = t + jnp.sqrt(v[i]) * z[i % 2]
-            if lsb is not None:
-                t = jnp.clip(jnp.round(t / lsb[i]), -qmax, qmax) * lsb[i]
-            if gain is not None:
-                t = t * gain[i]
+            t = crossbar._adc(t, None if lsb is None else lsb[i], None if gain is None else gain[i], qmax)
             y = t if y is None else y + t
         return y
 
@@ -183,6 +180,40 @@ def test_the_read_noise_is_standard_normal_times_the_variance_root():
     assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01  # 72,000 draws: sigma of either ~0.004
     np.testing.assert_array_equal(_read(w, var, codes, 600, 300, 2, seed=1), noisy)  # a seed is one draw
     assert np.mean(_read(w, var, codes, 600, 300, 2, seed=2) == noisy) < 0.01
+
+
+@needs_vnni
+def test_reads_running_at_once_each_give_their_own_sums():
+    """Two fused reads in one program (XLA may run them in parallel; the helper steps back) give
+    what each gives alone."""
+    ops = [_operands(200, 700, 300, 2, seed=s) for s in (3, 4)]
+    packed = [_pack(w, v, 700, 2) for w, v, _ in ops]
+
+    @jax.jit
+    def both(c1, c2):
+        return [vnni.tile_read(c, *pk, None, None, jnp.uint32(7), k=700, n=300, qmax=127.0)
+                for c, pk in zip((c1, c2), packed)]
+
+    for (w, var, codes), y in zip(ops, both(*(jnp.asarray(c) for _, _, c in ops))):
+        np.testing.assert_array_equal(np.asarray(y), _read(w, var, codes, 700, 300, 2, seed=7))
+
+
+@needs_vnni
+def test_an_operand_in_another_layout_is_refused():
+    w, var, codes = _operands(4, 300, 40, 2, seed=1)
+    wp, corr, sp = _pack(w, var, 300, 2)
+    xu = jnp.zeros((4, 512), jnp.uint8)
+    x2 = jnp.zeros((4, 512), jnp.bfloat16)
+    empty = jnp.zeros((0,), jnp.float32)
+    out = jax.ShapeDtypeStruct((4, 40), jnp.float32)
+    flat = wp.reshape(wp.shape[0], -1)  # not the packed 6-d layout
+    with pytest.raises(Exception, match="sidra_tile_read: unexpected operand layout"):
+        jax.block_until_ready(jax.ffi.ffi_call(vnni.READ_TARGET, out)(
+            xu, x2, flat, corr, sp, empty, empty, jnp.uint32(0), k=np.int64(300), n=np.int64(40),
+            terms=np.int64(2), noise=np.int64(1), qmax=np.float32(127)))
+    with pytest.raises(Exception, match="sidra_tile_dots: unexpected operand layout"):
+        jax.block_until_ready(jax.ffi.ffi_call(vnni.TARGET, (out, out))(
+            xu, x2, flat, corr, sp, k=np.int64(300), n=np.int64(40), terms=np.int64(2), noise=np.int64(1)))
 
 
 @pytest.mark.parametrize("terms", [1, 2])
