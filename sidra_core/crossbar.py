@@ -715,22 +715,23 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
                          f"got dac_bits={dac_bits}: run it with the settings of the chip that made it "
                          f"(mvm_kwargs(spec))")
     x2 = x.reshape(-1, s.k).astype(jnp.float32)
+    qmax = float(2 ** (adc_bits - 1) - 1)
+    if s.packed:  # the whole MVM as one VNNI custom call: DAC, dots, noise, ADC, tile sum, dequantisation
+        fused = bias is None or jnp.ndim(bias) <= 1  # a per-column bias goes in; any other is added after
+        b = jnp.broadcast_to(bias, (s.n,)).astype(jnp.float32) if fused and bias is not None else None
+        y = vnni.mvm(x2, snap.w[0], snap.corr, None if snap.var is None else snap.var[0], snap.lsb, snap.gain,
+                     snap.scale, b, seed, k=s.k, n=s.n, qmax=qmax, dac_qmax=float(2 ** (dac_bits - 1) - 1))
+        y = y.reshape(*lead, s.n)
+        return y if fused else y + bias
     if dac_bits is not None:
         x2, xscale = quantise_rows(x2, dac_bits)
     else:
         xscale = None
-    qmax = float(2 ** (adc_bits - 1) - 1)
-    if s.packed:  # the whole read as one VNNI custom call: dots, noise, ADC and tile sum
-        y = vnni.tile_read(x2, snap.w[0], snap.corr, None if snap.var is None else snap.var[0], snap.lsb, snap.gain,
-                           seed, k=s.k, n=s.n, qmax=qmax)
-    else:
-        y = _read_tiles(snap, x2, seed, qmax)
+    y = _read_tiles(snap, x2, seed, qmax)
     if xscale is not None:
         y = y * xscale
-    y = y * snap.scale
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*lead, s.n)
+    y = (y * snap.scale).reshape(*lead, s.n)
+    return y if bias is None else y + bias
 
 
 def mvm_kwargs(spec: ChipSpec) -> dict:

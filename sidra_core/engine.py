@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from . import host
+from . import host, vnni
 from .quant import quantise_rows
 
 # The format the engine stores results in, per precision mode (int8 mode keeps fp16 outside its LUTs).
@@ -178,6 +178,8 @@ def matmul(a, b, mode: str = "int8"):
     b = b.astype(jnp.float32)
     if mode == "fp32":
         return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+    if host.vnni_dots() and a.shape[-1] <= vnni.MAX_ENGINE_K:  # the same arithmetic as VNNI dots
+        return vnni.engine_matmul(a, b)
     qa, sa = quantise_rows(a, 8)
     qb, sb = quantise_rows(b, 8, axis=-2)  # per column of b
     # INT8 codes are exact in bfloat16 and their products in the fp32 accumulator, so this is

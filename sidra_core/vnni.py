@@ -3,8 +3,8 @@
 On hosts without AMX, XLA:CPU's int8 dot runs at its float32 speed, while the CPU's VNNI
 instructions do int8 MACs at 4x its float32 FMA rate (torch's oneDNN int8 GEMM shows it). One
 call computes every tile's INT8 partial sums and bfloat16 read-noise variances (`tile_dots`);
-the MVM's (`tile_read`) goes on to the noise draw, the ADC and the tile sum in the same pass,
-drawing the noise as `sidra_core.rng.box_muller` does. It is compiled once per source
+the MVM's (`mvm`) is the whole read: the DAC, those dots, the noise draw, the ADC, the tile sum
+and the dequantisation in one pass, drawing the noise as `sidra_core.rng.box_muller` does. It is compiled once per source
 and jaxlib version into the user's cache (a C++ compiler is needed; without one, or on a CPU
 without AVX-512 VNNI and BF16, `available()` is false and the XLA dots are used).
 """
@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "sidra_tile_dots"
-READ_TARGET = "sidra_tile_read"
+MVM_TARGET = "sidra_mvm"
+ENGINE_MATMUL_TARGET = "sidra_engine_matmul"
+MAX_ENGINE_K = 65536  # the engine matmul sums a row in one int32
 PACK_TARGET = "sidra_pack_tiles"
 _SOURCE = Path(__file__).with_name("vnni_dots.cc")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
@@ -74,7 +76,8 @@ def load(path: Path | None = None) -> None:
         _build(path)
     lib = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SidraTileDots), platform="cpu")
-    jax.ffi.register_ffi_target(READ_TARGET, jax.ffi.pycapsule(lib.SidraTileRead), platform="cpu")
+    jax.ffi.register_ffi_target(MVM_TARGET, jax.ffi.pycapsule(lib.SidraMvm), platform="cpu")
+    jax.ffi.register_ffi_target(ENGINE_MATMUL_TARGET, jax.ffi.pycapsule(lib.SidraEngineMatmul), platform="cpu")
     jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.SidraPackTiles), platform="cpu")
 
 
@@ -143,17 +146,33 @@ def tile_dots(codes, wp, corr, sp, *, k: int, n: int):
     return p, (v if noise else None)
 
 
-def tile_read(codes, wp, corr, sp, lsb, gain, seed, *, k: int, n: int, qmax: float):
-    """The tiles' sum (rows, N) of one read of INT8 DAC codes (rows, K), in DAC-code x weight-code
-    units: each tile's partial sums, with variances `sp` plus read noise drawn as
-    `crossbar.mvm` draws it (`seed`), through the ADC of step `lsb` (grid_k, N) and +-qmax codes
-    when given, times the drift gain (grid_k, N) when given; the same bits as the XLA path."""
+def mvm(x, wp, corr, sp, lsb, gain, scale, bias, seed, *, k: int, n: int, qmax: float, dac_qmax: float):
+    """y (rows, N) of float32 inputs x (rows, K) as `crossbar.mvm` computes it, the same bits
+    (but where XLA contracts a product the kernel rounds, see the tests): the DAC (per-row codes
+    of +-dac_qmax, `quant.quantise_rows`), each tile's partial sums, with variances `sp` plus read
+    noise drawn as `crossbar.mvm` draws it (`seed`), through the ADC of step `lsb` (grid_k, N) and
+    +-qmax codes when given, times the drift gain (grid_k, N) when given; the tile sum times
+    each row's DAC scale and the column `scale` (N,), plus `bias` (N,) when given."""
     terms = wp.shape[2]
     noise = sp is not None
-    xu, x2, sv = _operands(codes, wp, sp, k)
     empty = jnp.zeros((0,), jnp.float32)
-    out = jax.ShapeDtypeStruct((codes.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(READ_TARGET, out)(
-        xu, x2, wp, corr, sv, empty if lsb is None else lsb, empty if gain is None else gain,
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(MVM_TARGET, out)(
+        x, wp, corr, sp if noise else jnp.zeros((0,), jnp.bfloat16), empty if lsb is None else lsb,
+        empty if gain is None else gain, scale, empty if bias is None else bias,
         jnp.asarray(0 if seed is None else seed, jnp.uint32), k=np.int64(k), n=np.int64(n), terms=np.int64(terms),
-        noise=np.int64(noise), qmax=np.float32(qmax))
+        noise=np.int64(noise), qmax=np.float32(qmax), dac_qmax=np.float32(dac_qmax))
+
+
+def engine_matmul(a, b, *, qmax: float = 127.0):
+    """The compute engine's INT8 matmul (`engine.matmul`, mode "int8") of float32 a (..., M, K) and
+    b (..., K, N), batch dimensions broadcast: rows of a and columns of b quantised to codes of
+    +-qmax, summed exactly in int32, rescaled; the XLA path's bits (K <= MAX_ENGINE_K)."""
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    (m, k), n = a.shape[-2:], b.shape[-1]
+    nb = int(np.prod(batch, dtype=np.int64))
+    a3 = jnp.broadcast_to(a, (*batch, m, k)).reshape(nb, m, k)
+    b3 = jnp.broadcast_to(b, (*batch, k, n)).reshape(nb, k, n)
+    y = jax.ffi.ffi_call(ENGINE_MATMUL_TARGET, jax.ShapeDtypeStruct((a3.shape[0], m, n), jnp.float32))(
+        a3, b3, qmax=np.float32(qmax))
+    return y.reshape(*batch, m, n)

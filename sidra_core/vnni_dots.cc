@@ -7,12 +7,14 @@
 //   v = sum_k x_k^2 s_k (x^2 and the cell variances s in bfloat16, float32 sums)
 // vpdpbusd multiplies unsigned by signed bytes, so the inputs come as x + 128 and each column
 // subtracts 128 sum_k w_k (precomputed). Integer sums are exact: |sum| <= 256 * 255 * 127 < 2^31.
-// sidra_tile_dots returns p and v of every tile; sidra_tile_read goes on while they are in L1:
-// read noise sqrt(v) z (z: sidra_core.rng.box_muller's draw, bit for bit), the ADC, the tile sum,
-// so one MVM writes its (rows, N) result instead of 2 x grid_k arrays of that size for XLA to
-// read back (256 x 1024 x 1024: 4.3 -> 3.8 ms).
+// sidra_tile_dots returns p and v of every tile; sidra_mvm is the whole MVM: the DAC of the float
+// inputs, then while p and v are in L1, read noise sqrt(v) z (z: sidra_core.rng.box_muller's
+// draw, bit for bit), the ADC, the tile sum and the dequantisation, so one MVM reads its float
+// inputs and writes its (rows, N) result once (256 x 1024 x 1024: 4.3 -> 3.8 ms with the tile
+// sums fused, 3.8 -> 3.0 with the DAC and dequantisation as well, which XLA did in three passes).
 //
-// Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 bf16 (rows, Kp), Kp = grid_k * 256;
+// Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 bf16 (rows, Kp), Kp = grid_k * 256 (the
+// dots' inputs; sidra_mvm makes them from x float32 (rows, K));
 // w int8 (grid_k, NV, T, 64, 16, 4): 16-column vectors, T terms (whole[, fraction]), 4 word lines
 // per 32-bit lane; corr int32 (grid_k, NV, T, 16); s bf16 (grid_k, NV, 128, 16, 2);
 // outputs p, v float32 (grid_k, rows, N); y float32 (rows, N).
@@ -23,6 +25,7 @@
 #include <atomic>
 #include <cstdint>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -57,11 +60,12 @@ inline __mmask16 column_mask(int valid) {
 }
 
 // MR rows x NV vectors of one tile's partial sums, T terms per vector.
+// w holds one (vector, term) every vec_bytes (a tile's: 64 groups of 64 bytes). Never inlined:
+// inside a large caller GCC kept the accumulators on the stack (the fused read ran at half speed).
 template <int MR, int NV, int T>
-void signal_block(const uint8_t* x, int64_t ldx, const int8_t* w, const int32_t* corr, int groups,
-                  float* out, int64_t ldo, int valid_cols) {
+__attribute__((noinline)) void signal_block(const uint8_t* x, int64_t ldx, const int8_t* w, int64_t vec_bytes, const int32_t* corr,
+                  int groups, float* out, int64_t ldo, int valid_cols) {
   constexpr int J = NV * T;
-  constexpr int64_t kVecBytes = (kTileRows / 4) * kGroupBytes;  // one (vector, term) over the tile
   __m512i acc[MR][J];
   #pragma GCC unroll 32
   for (int r = 0; r < MR; ++r)
@@ -70,7 +74,7 @@ void signal_block(const uint8_t* x, int64_t ldx, const int8_t* w, const int32_t*
   for (int g = 0; g < groups; ++g) {
     __m512i b[J];
     #pragma GCC unroll 32
-    for (int j = 0; j < J; ++j) b[j] = _mm512_loadu_si512(w + j * kVecBytes + g * kGroupBytes);
+    for (int j = 0; j < J; ++j) b[j] = _mm512_loadu_si512(w + j * vec_bytes + g * kGroupBytes);
     #pragma GCC unroll 32
     for (int r = 0; r < MR; ++r) {
       int32_t four;
@@ -101,7 +105,7 @@ void signal_block(const uint8_t* x, int64_t ldx, const int8_t* w, const int32_t*
 
 // MR rows x NV vectors of one tile's read-noise variances.
 template <int MR, int NV>
-void variance_block(const uint16_t* x2, int64_t ldx, const uint16_t* s, int pairs, float* out, int64_t ldo,
+__attribute__((noinline)) void variance_block(const uint16_t* x2, int64_t ldx, const uint16_t* s, int pairs, float* out, int64_t ldo,
                     int valid_cols) {
   constexpr int64_t kVecElems = (kTileRows / 2) * (kGroupBytes / 2);  // bf16 elements of one vector
   __m512 acc[MR][NV];
@@ -132,20 +136,31 @@ void variance_block(const uint16_t* x2, int64_t ldx, const uint16_t* s, int pair
 
 // Row blocks of kMaxRows, then the remainder, for a fixed vector count.
 template <int NV, int T>
-void signal_rows(int64_t rows, const uint8_t* x, int64_t ldx, const int8_t* w, const int32_t* corr, int groups,
-                 float* out, int64_t ldo, int valid_cols) {
+void signal_rows(int64_t rows, const uint8_t* x, int64_t ldx, const int8_t* w, int64_t vec_bytes, const int32_t* corr,
+                 int groups, float* out, int64_t ldo, int valid_cols) {
   int64_t r = 0;
   for (; r + kMaxRows <= rows; r += kMaxRows)
-    signal_block<kMaxRows, NV, T>(x + r * ldx, ldx, w, corr, groups, out + r * ldo, ldo, valid_cols);
+    signal_block<kMaxRows, NV, T>(x + r * ldx, ldx, w, vec_bytes, corr, groups, out + r * ldo, ldo, valid_cols);
   const auto* xr = x + r * ldx;
   float* o = out + r * ldo;
   switch (rows - r) {
-    case 1: signal_block<1, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
-    case 2: signal_block<2, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
-    case 3: signal_block<3, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
-    case 4: signal_block<4, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
-    case 5: signal_block<5, NV, T>(xr, ldx, w, corr, groups, o, ldo, valid_cols); break;
+    case 1: signal_block<1, NV, T>(xr, ldx, w, vec_bytes, corr, groups, o, ldo, valid_cols); break;
+    case 2: signal_block<2, NV, T>(xr, ldx, w, vec_bytes, corr, groups, o, ldo, valid_cols); break;
+    case 3: signal_block<3, NV, T>(xr, ldx, w, vec_bytes, corr, groups, o, ldo, valid_cols); break;
+    case 4: signal_block<4, NV, T>(xr, ldx, w, vec_bytes, corr, groups, o, ldo, valid_cols); break;
+    case 5: signal_block<5, NV, T>(xr, ldx, w, vec_bytes, corr, groups, o, ldo, valid_cols); break;
     default: break;
+  }
+}
+
+// Up to kPanel vectors of one-term signal rows (the engine's matmul; a tile panel's whole codes).
+void signal_panel(int nvb, int64_t rows, const uint8_t* x, int64_t ldx, const int8_t* w, int64_t vec_bytes,
+                  const int32_t* corr, int groups, float* out, int64_t ldo, int valid) {
+  switch (nvb) {
+    case 4: signal_rows<4, 1>(rows, x, ldx, w, vec_bytes, corr, groups, out, ldo, valid); break;
+    case 3: signal_rows<3, 1>(rows, x, ldx, w, vec_bytes, corr, groups, out, ldo, valid); break;
+    case 2: signal_rows<2, 1>(rows, x, ldx, w, vec_bytes, corr, groups, out, ldo, valid); break;
+    default: signal_rows<1, 1>(rows, x, ldx, w, vec_bytes, corr, groups, out, ldo, valid); break;
   }
 }
 
@@ -195,15 +210,10 @@ void panel_dots(const Problem& q, int64_t tile, int64_t v0, int64_t row0, int64_
     const int32_t* c = q.corr + (tile * q.nv + vv) * q.terms * kLanes;
     float* o = p + (vv - v0) * kLanes;
     if (q.terms == 2) {
-      if (nvb == 2) signal_rows<2, 2>(nrows, x, q.kp, w, c, groups, o, ldo, valid);
-      else signal_rows<1, 2>(nrows, x, q.kp, w, c, groups, o, ldo, valid);
+      if (nvb == 2) signal_rows<2, 2>(nrows, x, q.kp, w, vec_bytes, c, groups, o, ldo, valid);
+      else signal_rows<1, 2>(nrows, x, q.kp, w, vec_bytes, c, groups, o, ldo, valid);
     } else {
-      switch (nvb) {
-        case 4: signal_rows<4, 1>(nrows, x, q.kp, w, c, groups, o, ldo, valid); break;
-        case 3: signal_rows<3, 1>(nrows, x, q.kp, w, c, groups, o, ldo, valid); break;
-        case 2: signal_rows<2, 1>(nrows, x, q.kp, w, c, groups, o, ldo, valid); break;
-        default: signal_rows<1, 1>(nrows, x, q.kp, w, c, groups, o, ldo, valid); break;
-      }
+      signal_panel(nvb, nrows, x, q.kp, w, vec_bytes, c, groups, o, ldo, valid);
     }
   }
   if (q.x2 == nullptr || v == nullptr) return;
@@ -277,12 +287,26 @@ struct Job {
   Problem q;
   float* p = nullptr;  // TileDots: every tile's sums and variances (grid_k, rows, N)
   float* v = nullptr;
-  float* y = nullptr;  // TileRead: the tile sum after noise and ADC (rows, N)
+  float* y = nullptr;  // Mvm: the dequantised tile sum after noise and ADC (rows, N)
   const float* lsb = nullptr;   // (grid_k, N) or null: no ADC
   const float* gain = nullptr;  // (grid_k, N) or null
   uint32_t seed = 0;
   float qmax = 0;
   int64_t panels = 0, blocks = 0;
+  // Mvm's DAC: float32 inputs (rows, K) quantised per row into q.xu / q.x2 and `xscale` by the
+  // first item that needs a row block (`ready`: 0 not started, 1 in progress, 2 done)
+  const float* x = nullptr;
+  float dac_qmax = 0;
+  float* xscale = nullptr;
+  uint8_t* xu = nullptr;
+  uint16_t* x2 = nullptr;
+  std::atomic<int>* ready = nullptr;
+  const float* scale = nullptr;  // (N,) the weight's value of one code per column
+  const float* bias = nullptr;   // (N,) or null
+  std::unique_ptr<uint8_t[]> xu_buf;  // what xu, x2, xscale and ready point at
+  std::unique_ptr<uint16_t[]> x2_buf;
+  std::unique_ptr<float[]> xscale_buf;
+  std::unique_ptr<std::atomic<int>[]> ready_buf;
 };
 
 constexpr int64_t kReadRows = 24;  // rows of one read work item: its tile's sums stay in L1
@@ -295,15 +319,64 @@ void dots_item(const Job& j, int64_t item) {
   panel_dots(q, tile, v0, 0, q.rows, j.p + off, q.x2 ? j.v + off : nullptr, q.n);
 }
 
-// TileRead's work item: a 64-column panel of kReadRows rows through every tile: partial sums,
-// read noise (the Box-Muller pair of tiles 2m and 2m + 1 drawn once), ADC and the digital sum,
-// in the order of sidra_core.crossbar.mvm's XLA path.
+// One row's INT8 codes as sidra_core.quant.quantise_rows makes them, operation for operation:
+// scale = max|x| / qmax (1 for an all-zero row; as XLA computes it, times the constant's
+// reciprocal), codes = clip(round half to even(x / scale), +-qmax), stored as codes + 128 (uint8)
+// and, unless x2 is null, codes^2 (bfloat16); entries k..kp get code 0. A row holding a NaN or
+// an infinity has no codes: its scale is NaN, so are its outputs. Returns the scale.
+float quantise_row(const float* x, int64_t k, int64_t kp, float qmax, uint8_t* xu, uint16_t* x2) {
+  const __m512 inf = _mm512_set1_ps(__builtin_inff());
+  __m512 amax = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (int64_t c = 0; c < k; c += kLanes) {
+    const __mmask16 m = column_mask(static_cast<int>(k - c));
+    const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + c));
+    amax = _mm512_max_ps(amax, a);
+    bad |= _mm512_mask_cmp_ps_mask(m, a, inf, _CMP_NLT_UQ);  // NaN or +-inf
+  }
+  const float top = _mm512_reduce_max_ps(amax);
+  const float s = bad ? __builtin_nanf("") : top > 0 ? top * (1.0f / qmax) : 1.0f;
+  const int64_t live = bad ? 0 : k;  // a bad row's codes are all 0
+  const __m512 sv = _mm512_set1_ps(s), hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
+  for (int64_t c = 0; c < live; c += kLanes) {
+    const __mmask16 m = column_mask(static_cast<int>(live - c));
+    const __m512 codes = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(
+        _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + c), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+    _mm512_mask_cvtepi32_storeu_epi8(xu + c, m, _mm512_add_epi32(_mm512_cvtps_epi32(codes), _mm512_set1_epi32(128)));
+    if (x2) _mm256_mask_storeu_epi16(x2 + c, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(codes, codes))));
+  }
+  std::fill(xu + live, xu + kp, uint8_t{128});
+  if (x2) std::fill(x2 + live, x2 + kp, uint16_t{0});
+  return s;
+}
+
+// Runs fn once, by the first caller; the others wait for it (a few microseconds: yielding, as
+// the thread running it may be descheduled). state: 0 not started, 1 running, 2 done.
+template <typename F>
+void once(std::atomic<int>& state, F fn) {
+  if (state.load(std::memory_order_acquire) == 2) return;
+  int expected = 0;
+  if (state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+    fn();
+    state.store(2, std::memory_order_release);
+  } else {
+    while (state.load(std::memory_order_acquire) != 2) std::this_thread::yield();
+  }
+}
+
+// Mvm's work item: a 64-column panel of kReadRows rows through every tile: the rows' DAC codes,
+// partial sums, read noise (the Box-Muller pair of tiles 2m and 2m + 1 drawn once), ADC, the
+// digital sum and the dequantisation, in the order of sidra_core.crossbar.mvm's XLA path.
 void read_item(const Job& j, int64_t item) {
   const Problem& q = j.q;
   const int64_t v0 = (item / j.blocks) * kPanel, row0 = (item % j.blocks) * kReadRows;
   const int64_t nrows = std::min(kReadRows, q.rows - row0);
   const int nvb = static_cast<int>(std::min<int64_t>(kPanel, q.nv - v0));
   const int64_t col0 = v0 * kLanes;
+  once(j.ready[item % j.blocks], [&] {  // the block's DAC codes, made by the first item that needs them
+    for (int64_t r = row0; r < row0 + nrows; ++r)
+      j.xscale[r] = quantise_row(j.x + r * q.k, q.k, q.kp, j.dac_qmax, j.xu + r * q.kp, j.x2 ? j.x2 + r * q.kp : nullptr);
+  });
   constexpr int kW = kPanel * kLanes;
   alignas(64) float p[kReadRows * kW], v[kReadRows * kW], z1[kReadRows * kW], y[kReadRows * kW];
   if (q.n - col0 < kW) {  // a panel past the last column: its dead lanes hold zeros, not stack garbage
@@ -356,20 +429,112 @@ void read_item(const Job& j, int64_t item) {
       }
     }
   }
-  for (int64_t r = 0; r < nrows; ++r)
+  // dequantised: (sum x row scale) x column scale (+ bias, contracted into one FMA as XLA does)
+  for (int64_t r = 0; r < nrows; ++r) {
+    const __m512 xs = _mm512_set1_ps(j.xscale[row0 + r]);
     for (int vec = 0; vec < nvb; ++vec) {
       const int64_t c = col0 + vec * kLanes;
-      _mm512_mask_storeu_ps(j.y + (row0 + r) * q.n + c, column_mask(static_cast<int>(q.n - c)),
-                            _mm512_load_ps(y + r * kW + vec * kLanes));
+      const __mmask16 m = column_mask(static_cast<int>(q.n - c));
+      const __m512 a = _mm512_mul_ps(_mm512_load_ps(y + r * kW + vec * kLanes), xs);
+      const __m512 sc = _mm512_maskz_loadu_ps(m, j.scale + c);
+      const __m512 out = j.bias ? _mm512_fmadd_ps(a, sc, _mm512_maskz_loadu_ps(m, j.bias + c)) : _mm512_mul_ps(a, sc);
+      _mm512_mask_storeu_ps(j.y + (row0 + r) * q.n + c, m, out);
     }
+  }
+}
+
+// The compute engine's INT8 matmul (sidra_core.engine.matmul, mode "int8") of a (B, M, K) by
+// b (B, K, N): a's rows and b's columns quantised to INT8 codes (quantise_row's arithmetic), their
+// products summed exactly in int32 (a + 128 against b, less 128 sum_k b per column), then
+// (sum x row scale) x column scale, as the XLA path computes it (its float32 sums of the codes'
+// products are exact up to K = 1040; past that these are the exact INT32 ones).
+struct EngineJob {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  float* y = nullptr;
+  int64_t m = 0, k = 0, n = 0, kp = 0, nv = 0, blocks = 0;
+  float qmax = 0;
+  std::unique_ptr<int8_t[]> bp;     // b's codes (B, NV, kp / 4, 16, 4): a tile's layout, kp word lines
+  std::unique_ptr<int32_t[]> corr;  // (B, NV, 16): 128 sum_k codes
+  std::unique_ptr<float[]> sb;      // (B, NV * 16): column scales
+  std::unique_ptr<uint8_t[]> au;    // (B, M, kp): a's codes + 128
+  std::unique_ptr<std::atomic<int>[]> ready;  // per batch: b's codes made
+};
+
+// One batch's b: each column's scale over K, its codes packed 4 word lines to a 32-bit lane. A
+// column holding a NaN or an infinity gets scale NaN and codes 0.
+void quantise_columns(const EngineJob& j, int64_t batch) {
+  const float* b = j.b + batch * j.k * j.n;
+  const __m512 inf = _mm512_set1_ps(__builtin_inff()), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+  const __m512 hi = _mm512_set1_ps(j.qmax), lo = _mm512_set1_ps(-j.qmax);
+  for (int64_t v = 0; v < j.nv; ++v) {
+    const int64_t c = v * kLanes;
+    const __mmask16 m = column_mask(static_cast<int>(j.n - c));
+    __m512 amax = zero;
+    __mmask16 bad = 0;
+    for (int64_t r = 0; r < j.k; ++r) {
+      const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, b + r * j.n + c));
+      amax = _mm512_max_ps(amax, a);
+      bad |= _mm512_mask_cmp_ps_mask(m, a, inf, _CMP_NLT_UQ);
+    }
+    __m512 sc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(amax, zero, _CMP_GT_OQ), one,
+                                     _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / j.qmax)));
+    sc = _mm512_mask_blend_ps(bad, sc, _mm512_set1_ps(__builtin_nanf("")));
+    _mm512_storeu_ps(j.sb.get() + (batch * j.nv + v) * kLanes, sc);
+    const __mmask16 live = m & static_cast<__mmask16>(~bad);
+    const __m512 inv = _mm512_div_ps(one, sc);  // XLA divides by a column's scale as a product by its reciprocal
+    int8_t* dst = j.bp.get() + (batch * j.nv + v) * j.kp * kLanes;
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t g = 0; g < j.kp / 4; ++g, dst += kGroupBytes) {
+      __m512i word = _mm512_setzero_si512();
+      for (int t = 0; t < 4 && 4 * g + t < j.k; ++t) {
+        const __m512 codes = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(
+            _mm512_mul_ps(_mm512_maskz_loadu_ps(live, b + (4 * g + t) * j.n + c), inv),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+        const __m512i ci = _mm512_maskz_cvtps_epi32(live, codes);
+        sum = _mm512_add_epi32(sum, ci);
+        word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(ci, _mm512_set1_epi32(0xFF)), 8 * t));
+      }
+      _mm512_storeu_si512(dst, word);
+    }
+    _mm512_storeu_si512(j.corr.get() + (batch * j.nv + v) * kLanes, _mm512_slli_epi32(sum, 7));
+  }
+}
+
+// The engine matmul's work item: kReadRows rows of one batch against all of its columns.
+void engine_item(const EngineJob& j, int64_t item) {
+  const int64_t batch = item / j.blocks, row0 = (item % j.blocks) * kReadRows;
+  const int64_t nrows = std::min(kReadRows, j.m - row0);
+  once(j.ready[batch], [&] { quantise_columns(j, batch); });
+  float sa[kReadRows];
+  uint8_t* au = j.au.get() + (batch * j.m + row0) * j.kp;
+  for (int64_t r = 0; r < nrows; ++r)
+    sa[r] = quantise_row(j.a + (batch * j.m + row0 + r) * j.k, j.k, j.kp, j.qmax, au + r * j.kp, nullptr);
+  float* y = j.y + (batch * j.m + row0) * j.n;
+  const int64_t vec_bytes = j.kp * kLanes;
+  for (int64_t v0 = 0; v0 < j.nv; v0 += kPanel) {
+    const int nvb = static_cast<int>(std::min<int64_t>(kPanel, j.nv - v0));
+    const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, j.n - v0 * kLanes));
+    signal_panel(nvb, nrows, au, j.kp, j.bp.get() + (batch * j.nv + v0) * vec_bytes, vec_bytes,
+                 j.corr.get() + (batch * j.nv + v0) * kLanes, static_cast<int>(j.kp / 4), y + v0 * kLanes, j.n,
+                 valid);
+  }
+  const float* sb = j.sb.get() + batch * j.nv * kLanes;
+  for (int64_t r = 0; r < nrows; ++r) {
+    const __m512 xs = _mm512_set1_ps(sa[r]);
+    for (int64_t c = 0; c < j.n; c += kLanes) {
+      const __mmask16 m = column_mask(static_cast<int>(j.n - c));
+      const __m512 acc = _mm512_maskz_loadu_ps(m, y + r * j.n + c);
+      _mm512_mask_storeu_ps(y + r * j.n + c, m, _mm512_mul_ps(_mm512_mul_ps(acc, xs), _mm512_loadu_ps(sb + c)));
+    }
+  }
 }
 
 // Items are taken from a shared counter by the caller and the helper threads. The caller waits
 // only for items in progress: a helper that comes late finds none and drops the job.
 struct Work {
-  Job job;
-  void (*item)(const Job&, int64_t);
-  int64_t items;
+  std::function<void(int64_t)> item;
+  int64_t items = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   void drain(bool helper = false);
@@ -385,7 +550,7 @@ void Work::drain(bool helper) {
     if (helper && g_active.load(std::memory_order_relaxed) > 1) return;
     const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
     if (i >= items) return;
-    item(job, i);
+    item(i);
     done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -465,27 +630,30 @@ class Helpers {
 // Below this many MACs a call runs on the calling thread alone: waking a helper costs more.
 constexpr int64_t kParallelMacs = int64_t{1} << 22;
 
-// The operands common to both calls, checked; false: not the layout vnni.py packs.
-bool problem(ffi::Buffer<ffi::U8>& xu, ffi::Buffer<ffi::BF16>& x2, ffi::Buffer<ffi::S8>& w,
-             ffi::Buffer<ffi::S32>& corr, ffi::Buffer<ffi::BF16>& s, int64_t k, int64_t n, int64_t terms,
-             int64_t noise, Problem& q) {
-  const auto xd = xu.dimensions();
+// The engine matmul sums a whole row in one int32: 255 x 127 x K stays below 2^31.
+constexpr int64_t kMaxEngineK = 65536;
+
+// The packed weights (w, corr, s), checked; false: not the layout vnni.py packs.
+bool weights(ffi::Buffer<ffi::S8>& w, ffi::Buffer<ffi::S32>& corr, ffi::Buffer<ffi::BF16>& s, int64_t k, int64_t n,
+             int64_t terms, Problem& q) {
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 6 || (terms != 1 && terms != 2) || wd[2] != terms) return false;
-  q = Problem{xu.typed_data(),
-              noise ? reinterpret_cast<const uint16_t*>(x2.typed_data()) : nullptr,
-              w.typed_data(),
-              corr.typed_data(),
-              reinterpret_cast<const uint16_t*>(s.typed_data()),
-              xd[0], k, n, wd[0], wd[1], xd[1], static_cast<int>(terms)};
+  if (wd.size() != 6 || (terms != 1 && terms != 2) || wd[2] != terms || k > wd[0] * kTileRows) return false;
+  q.w = w.typed_data();
+  q.corr = corr.typed_data();
+  q.s = reinterpret_cast<const uint16_t*>(s.typed_data());
+  q.k = k;
+  q.n = n;
+  q.grid_k = wd[0];
+  q.nv = wd[1];
+  q.kp = wd[0] * kTileRows;
+  q.terms = static_cast<int>(terms);
   return true;
 }
 
-// All items of a job, shared with the helpers when it is large enough to pay for waking them.
-void execute(const std::shared_ptr<Work>& work) {
-  const Problem& q = work->job.q;
-  if (q.rows == 0 || work->items == 0) return;
-  const int64_t macs = q.rows * q.k * q.n * (q.terms + (q.x2 ? 2 : 0));
+// All items of a job of `macs` multiply-accumulates, shared with the helpers when it is large
+// enough to pay for waking them.
+void execute(const std::shared_ptr<Work>& work, int64_t macs) {
+  if (work->items == 0) return;
   const bool alone = g_active.fetch_add(1, std::memory_order_relaxed) == 0;
   if (alone && work->items > 1 && macs >= kParallelMacs && Helpers::get().count() > 0) {
     Helpers::get().run(work);
@@ -495,42 +663,102 @@ void execute(const std::shared_ptr<Work>& work) {
   if (g_active.fetch_sub(1, std::memory_order_relaxed) == 2 && Helpers::get().count() > 0) Helpers::get().wake();
 }
 
+int64_t macs(const Problem& q) { return q.rows * q.k * q.n * (q.terms + (q.x2 ? 2 : 0)); }
+
 ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::BF16> x2, ffi::Buffer<ffi::S8> w,
                     ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::BF16> s, int64_t k, int64_t n, int64_t terms,
                     int64_t noise, ffi::ResultBuffer<ffi::F32> p, ffi::ResultBuffer<ffi::F32> v) {
-  auto work = std::make_shared<Work>();
-  Job& j = work->job;
-  if (!problem(xu, x2, w, corr, s, k, n, terms, noise, j.q))
+  auto job = std::make_shared<Job>();
+  Job& j = *job;
+  const auto xd = xu.dimensions();
+  if (!weights(w, corr, s, k, n, terms, j.q) || xd.size() != 2 || xd[1] != j.q.kp)
     return ffi::Error::InvalidArgument("sidra_tile_dots: unexpected operand layout");
+  j.q.xu = xu.typed_data();
+  j.q.x2 = noise ? reinterpret_cast<const uint16_t*>(x2.typed_data()) : nullptr;
+  j.q.rows = xd[0];
   j.p = p->typed_data();
   j.v = v->typed_data();
   j.panels = (j.q.nv + kPanel - 1) / kPanel;
-  work->item = dots_item;
-  work->items = j.q.grid_k * j.panels;
-  execute(work);
+  auto work = std::make_shared<Work>();
+  work->item = [job](int64_t i) { dots_item(*job, i); };
+  work->items = j.q.rows ? j.q.grid_k * j.panels : 0;
+  execute(work, macs(j.q));
   return ffi::Error::Success();
 }
 
-// The whole read but the DAC and the dequantisation: y (rows, N) = sum over tiles of
-// ADC(p + sqrt(v) z) (the ADC only with `lsb`, the gain only with `gain`; both (grid_k, N) or empty).
-ffi::Error TileRead(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::BF16> x2, ffi::Buffer<ffi::S8> w,
-                    ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::BF16> s, ffi::Buffer<ffi::F32> lsb,
-                    ffi::Buffer<ffi::F32> gain, ffi::Buffer<ffi::U32> seed, int64_t k, int64_t n, int64_t terms,
-                    int64_t noise, float qmax, ffi::ResultBuffer<ffi::F32> y) {
-  auto work = std::make_shared<Work>();
-  Job& j = work->job;
-  if (!problem(xu, x2, w, corr, s, k, n, terms, noise, j.q) || seed.element_count() != 1)
-    return ffi::Error::InvalidArgument("sidra_tile_read: unexpected operand layout");
+// The whole MVM on float32 inputs x (rows, K): the DAC (codes of +-dac_qmax per row), then
+// y (rows, N) = sum over tiles of ADC(p + sqrt(v) z) (the ADC only with `lsb`, the gain only with
+// `gain`; both (grid_k, N) or empty), times each row's DAC scale and the column `scale` (N,),
+// plus `bias` (N,) if not empty.
+ffi::Error Mvm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::BF16> s,
+               ffi::Buffer<ffi::F32> lsb, ffi::Buffer<ffi::F32> gain, ffi::Buffer<ffi::F32> scale,
+               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::U32> seed, int64_t k, int64_t n, int64_t terms,
+               int64_t noise, float qmax, float dac_qmax, ffi::ResultBuffer<ffi::F32> y) {
+  auto job = std::make_shared<Job>();
+  Job& j = *job;
+  const auto xd = x.dimensions();
+  if (!weights(w, corr, s, k, n, terms, j.q) || xd.size() != 2 || xd[1] != k || seed.element_count() != 1 ||
+      scale.element_count() != n || (bias.element_count() != 0 && bias.element_count() != n))
+    return ffi::Error::InvalidArgument("sidra_mvm: unexpected operand layout");
+  const int64_t rows = xd[0];
+  j.q.rows = rows;
+  j.x = x.typed_data();
+  j.dac_qmax = dac_qmax;
+  // the DAC codes, owned by the job (a helper may still hold it after the call returns)
+  j.xu_buf.reset(new uint8_t[rows * j.q.kp]);
+  if (noise) j.x2_buf.reset(new uint16_t[rows * j.q.kp]);
+  j.xscale_buf.reset(new float[rows]);
+  j.q.xu = j.xu = j.xu_buf.get();
+  j.q.x2 = j.x2 = j.x2_buf.get();
+  j.xscale = j.xscale_buf.get();
   j.y = y->typed_data();
   j.lsb = lsb.element_count() ? lsb.typed_data() : nullptr;
   j.gain = gain.element_count() ? gain.typed_data() : nullptr;
+  j.scale = scale.typed_data();
+  j.bias = bias.element_count() ? bias.typed_data() : nullptr;
   j.seed = seed.typed_data()[0];
   j.qmax = qmax;
   j.panels = (j.q.nv + kPanel - 1) / kPanel;
-  j.blocks = (j.q.rows + kReadRows - 1) / kReadRows;
-  work->item = read_item;
+  j.blocks = (rows + kReadRows - 1) / kReadRows;
+  j.ready_buf.reset(new std::atomic<int>[j.blocks]);
+  for (int64_t b = 0; b < j.blocks; ++b) j.ready_buf[b].store(0, std::memory_order_relaxed);
+  j.ready = j.ready_buf.get();
+  auto work = std::make_shared<Work>();
+  work->item = [job](int64_t i) { read_item(*job, i); };
   work->items = j.panels * j.blocks;
-  execute(work);
+  execute(work, macs(j.q));
+  return ffi::Error::Success();
+}
+
+// The engine's INT8 matmul y (B, M, N) of a (B, M, K) and b (B, K, N), codes of +-qmax (EngineJob).
+ffi::Error EngineMatmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, float qmax, ffi::ResultBuffer<ffi::F32> y) {
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  if (ad.size() != 3 || bd.size() != 3 || ad[0] != bd[0] || ad[2] != bd[1] || ad[2] > kMaxEngineK)
+    return ffi::Error::InvalidArgument("sidra_engine_matmul: unexpected operand layout");
+  auto job = std::make_shared<EngineJob>();
+  EngineJob& j = *job;
+  const int64_t batches = ad[0];
+  j.a = a.typed_data();
+  j.b = b.typed_data();
+  j.y = y->typed_data();
+  j.m = ad[1];
+  j.k = ad[2];
+  j.n = bd[2];
+  j.kp = (j.k + 3) / 4 * 4;
+  j.nv = (j.n + kLanes - 1) / kLanes;
+  j.blocks = (j.m + kReadRows - 1) / kReadRows;
+  j.qmax = qmax;
+  if (batches * j.m * j.n == 0) return ffi::Error::Success();
+  j.bp.reset(new int8_t[batches * j.nv * j.kp * kLanes]);
+  j.corr.reset(new int32_t[batches * j.nv * kLanes]);
+  j.sb.reset(new float[batches * j.nv * kLanes]);
+  j.au.reset(new uint8_t[batches * j.m * j.kp]);
+  j.ready.reset(new std::atomic<int>[batches]);
+  for (int64_t i = 0; i < batches; ++i) j.ready[i].store(0, std::memory_order_relaxed);
+  auto work = std::make_shared<Work>();
+  work->item = [job](int64_t i) { engine_item(*job, i); };
+  work->items = batches * j.blocks;
+  execute(work, batches * j.m * j.k * j.n);
   return ffi::Error::Success();
 }
 
@@ -589,16 +817,6 @@ ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::BF16> s, int64_t k
   return ffi::Error::Success();
 }
 
-// The operands of both dot kernels (xu, x2, w, corr, s; see `problem`).
-auto DotOperands() {
-  return ffi::Ffi::Bind()
-      .Arg<ffi::Buffer<ffi::U8>>()
-      .Arg<ffi::Buffer<ffi::BF16>>()
-      .Arg<ffi::Buffer<ffi::S8>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::BF16>>();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraPackTiles, PackTiles,
@@ -613,7 +831,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraPackTiles, PackTiles,
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraTileDots, TileDots,
-                              DotOperands()
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("terms")
@@ -621,8 +844,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraTileDots, TileDots,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraTileRead, TileRead,
-                              DotOperands()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraMvm, Mvm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
@@ -630,5 +859,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraTileRead, TileRead,
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("terms")
                                   .Attr<int64_t>("noise")
+                                  .Attr<float>("qmax")
+                                  .Attr<float>("dac_qmax")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraEngineMatmul, EngineMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("qmax")
                                   .Ret<ffi::Buffer<ffi::F32>>());

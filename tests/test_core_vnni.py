@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sidra_core import crossbar, rng, vnni
+from sidra_core import crossbar, engine, rng, vnni
+from sidra_core.quant import quantise_rows
 
 needs_vnni = pytest.mark.skipif(not vnni.available(), reason="this host cannot run the AVX-512 VNNI kernel")
 
@@ -20,6 +21,7 @@ def _operands(rows, k, n, terms, seed):
     w = rs.integers(-127, 128, (gk, 256, terms * n)).astype(np.int8)
     var = rs.random((gk, 256, n)).astype(np.float32) * 0.3
     codes = rs.integers(-127, 128, (rows, k)).astype(np.float32)
+    codes[:, 0] = 127  # a full-scale input in every row: as sidra_mvm's input, the DAC keeps these codes
     return w, var, codes
 
 
@@ -103,11 +105,13 @@ def test_calls_running_at_once_share_the_helpers():
         np.testing.assert_allclose(np.asarray(v), ve, rtol=1e-5, atol=1e-6 * ve.max())
 
 
-def _read(w, var, codes, k, n, terms, seed=5, noise=True, lsb=None, gain=None, qmax=127.0):
+def _read(w, var, x, k, n, terms, seed=5, noise=True, lsb=None, gain=None, qmax=127.0, scale=None, bias=None):
+    """sidra_mvm on float inputs x (codes: the DAC keeps them), column scale 1 unless given."""
     wp, corr, sp = _pack(w, var, k, terms, noise)
-    lsb, gain = (None if a is None else jnp.asarray(a) for a in (lsb, gain))
-    y = jax.jit(lambda c, s: vnni.tile_read(c, wp, corr, sp, lsb, gain, s, k=k, n=n, qmax=qmax))(
-        jnp.asarray(codes), jnp.uint32(seed))
+    lsb, gain, bias = (None if a is None else jnp.asarray(a) for a in (lsb, gain, bias))
+    scale = jnp.ones(n, jnp.float32) if scale is None else jnp.asarray(scale)
+    y = jax.jit(lambda c, s: vnni.mvm(c, wp, corr, sp, lsb, gain, scale, bias, s, k=k, n=n, qmax=qmax,
+                                      dac_qmax=127.0))(jnp.asarray(x), jnp.uint32(seed))
     return np.asarray(y)
 
 
@@ -170,6 +174,93 @@ def test_the_fused_read_takes_the_xla_paths_steps(rows, k, n, gain, terms):
     assert np.any(np.abs(p) > 127.5 * lsb[:, None, :])  # clipping was exercised
 
 
+def _inputs(rows, k, seed):
+    """Float inputs with rows of very different scales and an all-zero row (the DAC's cases)."""
+    rs = np.random.default_rng(seed)
+    x = rs.standard_normal((rows, k)).astype(np.float32) * np.exp(rs.uniform(-6, 6, (rows, 1))).astype(np.float32)
+    x[rows // 2] = 0
+    return x
+
+
+def _xla_mvm(w, var, x, k, n, terms, seed, lsb, gain, scale, bias, noise=True):
+    """sidra_mvm's steps in XLA: quant.quantise_rows, the tile dots, `_xla_read`, then (y * row scale)
+    * scale + bias in one jitted program (where XLA contracts the last product into the sum)."""
+    codes, xs = jax.jit(lambda x: quantise_rows(x, 8))(jnp.asarray(x))
+    wp, corr, sp = _pack(w, var, k, terms, noise)
+    p, v = jax.jit(lambda c: vnni.tile_dots(c, wp, corr, sp, k=k, n=n))(codes)
+    t = _xla_read(np.asarray(p), None if v is None else np.asarray(v), seed, lsb, gain)
+    return np.asarray(jax.jit(lambda t, xs: (t * xs) * scale + bias)(t, xs)), np.asarray(p)
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows,k,n", [(1, 1, 1), (25, 515, 130), (49, 300, 70), (300, 768, 512)])
+def test_the_dac_and_dequantisation_are_xlas(rows, k, n):
+    """Without noise or ADC the integer sums are exact: sidra_mvm's output is XLA's to the bit, so its
+    DAC codes, row scales, column scales and bias FMA are too."""
+    w, var, _ = _operands(rows, k, n, 1, seed=rows)
+    x = _inputs(rows, k, seed=k)
+    rs = np.random.default_rng(n)
+    scale, bias = rs.random(n).astype(np.float32) / 100, rs.standard_normal(n).astype(np.float32)
+    want, _ = _xla_mvm(w, var, x, k, n, 1, 0, None, None, scale, bias, noise=False)
+    np.testing.assert_array_equal(_read(w, var, x, k, n, 1, noise=False, scale=scale, bias=bias), want)
+    want, _ = _xla_mvm(w, var, x, k, n, 1, 0, None, None, scale, np.float32(0), noise=False)
+    no_bias = _read(w, var, x, k, n, 1, noise=False, scale=scale)
+    np.testing.assert_array_equal(no_bias, want)
+    if rows > 1:
+        assert np.all(no_bias[rows // 2] == 0) and np.abs(no_bias).max() > 0
+
+
+@needs_vnni
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("rows,k,n", [(25, 515, 130), (300, 768, 512)])
+def test_the_whole_mvm_takes_the_xla_paths_steps(rows, k, n, terms):
+    w, var, _ = _operands(rows, k, n, terms, seed=rows + n)
+    x = _inputs(rows, k, seed=rows)
+    rs = np.random.default_rng(k)
+    scale, bias = rs.random(n).astype(np.float32) / 100, rs.standard_normal(n).astype(np.float32)
+    gk = w.shape[0]
+    g = (1 + 0.1 * rs.random((gk, n))).astype(np.float32)
+    codes, _ = quantise_rows(jnp.asarray(x), 8)
+    p, _ = _run(w, var, np.asarray(codes), k, n, terms)
+    lsb = (np.abs(p).max(axis=1) / 150 + 1e-3).astype(np.float32)
+    want, _ = _xla_mvm(w, var, x, k, n, terms, 11, lsb, g, scale, bias)
+    y = _read(w, var, x, k, n, terms, seed=11, lsb=lsb, gain=g, scale=scale, bias=bias)
+    tol = 4e-7 * gk * (np.abs(p).sum(0) * np.abs(want - bias).max() / np.abs(p).sum(0).max()).max() + 1e-6
+    assert np.mean(np.abs(y - want) <= np.maximum(tol, 2e-7 * np.abs(want))) >= 0.999
+
+
+@needs_vnni
+def test_a_row_with_a_nan_or_an_infinity_gives_nans_and_leaves_the_others():
+    w, var, _ = _operands(6, 300, 40, 2, seed=2)
+    x = _inputs(6, 300, seed=3)
+    clean = _read(w, var, x, 300, 40, 2)
+    x[1, 7], x[4, 299] = np.nan, -np.inf
+    y = _read(w, var, x, 300, 40, 2)
+    assert np.all(np.isnan(y[[1, 4]]))
+    np.testing.assert_array_equal(np.delete(y, [1, 4], 0), np.delete(clean, [1, 4], 0))
+
+
+@needs_vnni
+def test_crossbar_mvm_adds_a_bias_of_any_shape():
+    """A per-column bias goes into the call (one FMA with the scale); any other broadcastable one is
+    added after it."""
+    import sidra_core
+
+    chip = sidra_core.Chip.create("y1", seed=0)
+    rs = np.random.default_rng(0)
+    snap = chip.snapshot(chip.program(rs.standard_normal((300, 300)).astype(np.float32)))
+    assert snap.shape.packed
+    x = jnp.asarray(rs.standard_normal((3, 5, 300)).astype(np.float32))
+    kw = crossbar.mvm_kwargs(chip.spec)
+    run = jax.jit(lambda x, b: crossbar.mvm(snap, x, jnp.uint32(3), b, **kw))
+    y = np.asarray(run(x, None))
+    per_row = rs.standard_normal((5, 300)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(run(x, jnp.asarray(per_row))), y + per_row)
+    column = rs.standard_normal(300).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(run(x, jnp.asarray(column))), y + column, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(run(x, jnp.float32(2))), y + 2, rtol=1e-6, atol=1e-6)
+
+
 @needs_vnni
 def test_the_read_noise_is_standard_normal_times_the_variance_root():
     w, var, codes = _operands(240, 600, 300, 2, seed=4)
@@ -191,8 +282,8 @@ def test_reads_running_at_once_each_give_their_own_sums():
 
     @jax.jit
     def both(c1, c2):
-        return [vnni.tile_read(c, *pk, None, None, jnp.uint32(7), k=700, n=300, qmax=127.0)
-                for c, pk in zip((c1, c2), packed)]
+        return [vnni.mvm(c, *pk, None, None, jnp.ones(300), None, jnp.uint32(7), k=700, n=300, qmax=127.0,
+                         dac_qmax=127.0) for c, pk in zip((c1, c2), packed)]
 
     for (w, var, codes), y in zip(ops, both(*(jnp.asarray(c) for _, _, c in ops))):
         np.testing.assert_array_equal(np.asarray(y), _read(w, var, codes, 700, 300, 2, seed=7))
@@ -207,10 +298,11 @@ def test_an_operand_in_another_layout_is_refused():
     empty = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct((4, 40), jnp.float32)
     flat = wp.reshape(wp.shape[0], -1)  # not the packed 6-d layout
-    with pytest.raises(Exception, match="sidra_tile_read: unexpected operand layout"):
-        jax.block_until_ready(jax.ffi.ffi_call(vnni.READ_TARGET, out)(
-            xu, x2, flat, corr, sp, empty, empty, jnp.uint32(0), k=np.int64(300), n=np.int64(40),
-            terms=np.int64(2), noise=np.int64(1), qmax=np.float32(127)))
+    for weights, x, scale in ((flat, codes, jnp.ones(40)), (wp, codes[:, :299], jnp.ones(40)), (wp, codes, empty)):
+        with pytest.raises(Exception, match="sidra_mvm: unexpected operand layout"):
+            jax.block_until_ready(jax.ffi.ffi_call(vnni.MVM_TARGET, out)(
+                jnp.asarray(x), weights, corr, sp, empty, empty, scale, empty, jnp.uint32(0), k=np.int64(300),
+                n=np.int64(40), terms=np.int64(2), noise=np.int64(1), qmax=np.float32(127), dac_qmax=np.float32(127)))
     with pytest.raises(Exception, match="sidra_tile_dots: unexpected operand layout"):
         jax.block_until_ready(jax.ffi.ffi_call(vnni.TARGET, (out, out))(
             xu, x2, flat, corr, sp, k=np.int64(300), n=np.int64(40), terms=np.int64(2), noise=np.int64(1)))
@@ -237,7 +329,7 @@ def test_a_fresh_build_exports_every_kernel(tmp_path):
 
     vnni._build(tmp_path / "k.so")
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
-    assert lib.SidraTileDots and lib.SidraTileRead and lib.SidraPackTiles
+    assert lib.SidraTileDots and lib.SidraMvm and lib.SidraEngineMatmul and lib.SidraPackTiles
     assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
 
 
@@ -257,3 +349,69 @@ def test_without_the_kernel_the_simulator_warns_once_and_uses_xla(monkeypatch):
         assert vnni.available.__wrapped__() is False
     monkeypatch.setattr(host, "cpu_flags", lambda: {"avx2"})
     assert vnni.available.__wrapped__() is False
+
+
+def _xla_engine_matmul(a, b):
+    """engine.matmul's int8 arithmetic in XLA (what it runs without the kernel)."""
+
+    @jax.jit
+    def f(a, b):
+        qa, sa = quantise_rows(a, 8)
+        qb, sb = quantise_rows(b, 8, axis=-2)
+        return jnp.matmul(qa, qb, preferred_element_type=jnp.float32) * sa * sb
+
+    return np.asarray(f(jnp.asarray(a), jnp.asarray(b)))
+
+
+@needs_vnni
+@pytest.mark.parametrize("ashape,bshape", [
+    ((1, 1, 1), (1, 1, 1)), ((3, 5, 7), (3, 7, 19)), ((2, 4, 128, 64), (2, 4, 64, 128)),
+    ((2, 30, 1000), (1000, 33)),  # b broadcast over the batch
+    ((2, 1, 9, 40), (3, 40, 70)),  # batch dimensions broadcast against each other
+])
+def test_the_engine_matmul_is_the_xla_paths_to_the_bit(ashape, bshape):
+    rs = np.random.default_rng(len(ashape) + ashape[-1])
+    a = rs.standard_normal(ashape).astype(np.float32) * np.exp(rs.uniform(-4, 4, ashape[:-1] + (1,))).astype(np.float32)
+    b = rs.standard_normal(bshape).astype(np.float32) * np.exp(rs.uniform(-4, 4, bshape[-1])).astype(np.float32)
+    a[..., 0, :] = 0  # an all-zero row: scale 1, codes 0
+    y = np.asarray(jax.jit(vnni.engine_matmul)(a, b))
+    want = _xla_engine_matmul(a, b)
+    assert y.shape == want.shape
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(np.asarray(engine.matmul(a, b)), want)  # engine.matmul runs the kernel
+
+
+@needs_vnni
+def test_the_engine_matmul_sums_exactly_past_the_float32_range():
+    """K = 3000: |sums| beyond 2^24, where float32 sums round; the kernel's int32 sums do not."""
+    rs = np.random.default_rng(1)
+    a = rs.integers(90, 128, (4, 3000)).astype(np.float32)
+    b = rs.integers(90, 128, (3000, 20)).astype(np.float32)
+    a[:, 0], b[0] = 127, 127  # integer codes of a full-scale row and column: the DAC keeps them
+    y = np.asarray(vnni.engine_matmul(a, b))
+    exact = a.astype(np.int64) @ b.astype(np.int64)
+    assert exact.min() > 2 ** 25
+    scale = np.float32(127) * np.float32(1 / 127)  # each row's and column's scale
+    np.testing.assert_array_equal(y, (exact.astype(np.float32) * scale) * scale)
+
+
+@needs_vnni
+def test_the_engine_matmul_gives_nans_for_non_finite_rows_and_columns():
+    rs = np.random.default_rng(2)
+    a, b = rs.standard_normal((6, 50)).astype(np.float32), rs.standard_normal((50, 30)).astype(np.float32)
+    a[2, 3], b[7, 11], b[0, 29] = np.inf, np.nan, -np.inf
+    y = np.asarray(vnni.engine_matmul(a, b))
+    bad = np.zeros(y.shape, bool)
+    bad[2], bad[:, 11], bad[:, 29] = True, True, True
+    assert np.all(np.isnan(y[bad])) and np.all(np.isfinite(y[~bad]))
+    np.testing.assert_array_equal(y[~bad], _xla_engine_matmul(a, b)[~bad])
+
+
+@needs_vnni
+def test_the_engine_matmul_of_empty_operands():
+    assert vnni.engine_matmul(jnp.zeros((2, 0, 5)), jnp.zeros((2, 5, 3))).shape == (2, 0, 3)
+    np.testing.assert_array_equal(np.asarray(vnni.engine_matmul(jnp.ones((2, 4, 0)), jnp.ones((2, 0, 3)))),
+                                  np.zeros((2, 4, 3), np.float32))
+    with pytest.raises(Exception, match="sidra_engine_matmul: unexpected operand layout"):
+        jax.block_until_ready(jax.ffi.ffi_call(vnni.ENGINE_MATMUL_TARGET, jax.ShapeDtypeStruct((2, 4, 3), jnp.float32))(
+            jnp.ones((2, 4, 5)), jnp.ones((2, 6, 3)), qmax=np.float32(127)))
