@@ -652,6 +652,19 @@ def _variance(x, var):
     return jnp.matmul((x * x).astype(var.dtype), var, preferred_element_type=jnp.float32)
 
 
+def _read_normals(seed, rows: int, n: int, tile: int, alone: bool):
+    """The read noise's normals for tile pair (tile, tile + 1), each (rows, n): one Box-Muller pair
+    per (tile pair, row, column), counters row-major (each read draws fresh normals); the pair's
+    two tiles share its log and sqrt. An unpaired last tile (`alone`) uses both normals itself:
+    one pair per (row, 32-column block, lane), z0 for the block's first 16 columns, z1 the next."""
+    base = jnp.uint32(tile // 2 * rows * n)
+    if not alone:
+        return rng.box_muller(seed, lax.iota(jnp.uint32, rows * n).reshape(rows, n) + base)
+    blocks = -(-n // 32)
+    z0, z1 = rng.box_muller(seed, lax.iota(jnp.uint32, rows * blocks * 16).reshape(rows, blocks, 16) + base)
+    return jnp.stack([z0, z1], axis=2).reshape(rows, blocks * 32)[:, :n], None
+
+
 def _read_tiles(snap: Snapshot, x2, seed, qmax: float):
     """The tiles' sum of one read of DAC codes x2 (rows, K) in XLA: partial sums, read noise, ADC."""
     s = snap.shape
@@ -681,11 +694,7 @@ def _read_tiles(snap: Snapshot, x2, seed, qmax: float):
         if snap.var is not None:
             var = v_all[:, cols] if s.narrow else _variance(xi, snap.var[i][:used])
             if i % 2 == 0:
-                # One Box-Muller pair per (tile pair, row, column), counters in row-major order
-                # (each read draws fresh normals): the pair's two tiles share its log and sqrt,
-                # and both land in the one fused accumulation pass.
-                counters = lax.iota(jnp.uint32, rows * n_pad).reshape(rows, n_pad) + jnp.uint32(i // 2 * rows * n_pad)
-                z = rng.box_muller(seed, counters)
+                z = _read_normals(seed, rows, n_pad, i, alone=i + 1 == grid_k)
             p = p + jnp.sqrt(var) * z[i % 2]
         p = _adc(p, None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
         y = p if y is None else y + p  # digital accumulation of the tiles

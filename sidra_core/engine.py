@@ -204,12 +204,21 @@ def padded_length(n: int) -> int:
     return p * 3 // 4 if n <= p * 3 // 4 else p
 
 
-@partial(jax.jit, static_argnames=("scale", "causal", "precision", "mode"))
+@partial(jax.jit, static_argnames=("scale", "causal", "precision", "mode", "layout"))
 def attention(q, k, v, mask=None, *, scale: float, causal: bool = False, precision: str = "fp32",
-              mode: str = "int8"):
+              mode: str = "int8", layout: str = "bhsd"):
     """Scaled dot-product attention as the engine runs it, in one program: the q k^T matmul, scaled,
     masked (a bool mask is -inf where False, a float mask is added; `causal` hides later keys),
-    stored in the engine format, softmax, zeros for rows masked throughout, the matmul with v."""
+    stored in the engine format, softmax, zeros for rows masked throughout, the matmul with v.
+    q, k, v are (..., S, D) (`layout` "bhsd") or (B, S, H, D) ("bshd", jax.nn's)."""
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"attention layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if mask is None and not causal and mode == "int8" and host.vnni_dots() \
+            and max(q.shape[-1], k.shape[-3 if layout == "bshd" else -2]) <= vnni.MAX_ENGINE_K:
+        # the whole attention as one VNNI call: the scores stay in the CPU's caches
+        return vnni.attention(q, k, v, scale=scale, storage=STORAGE[precision], heads_first=layout == "bhsd")
+    if layout == "bshd":
+        q, k, v = (jnp.swapaxes(t, -3, -2) for t in (q, k, v))  # (a mask is the scores' (B, H, S, T))
     s = matmul(q, jnp.swapaxes(k, -1, -2), mode) * scale
     if causal:
         seq_q, seq_k = s.shape[-2], s.shape[-1]
@@ -218,4 +227,5 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool = False, precisi
         s = jnp.where(mask, s, -jnp.inf) if mask.dtype == jnp.bool_ else s + mask
     # rows masked throughout give zeros: the safe softmax tells them by their maximum (one pass fewer)
     p = softmax(round_to(s, precision), axis=-1, precision=precision, safe=True)
-    return matmul(p, v, mode)
+    y = matmul(p, v, mode)
+    return jnp.swapaxes(y, -3, -2) if layout == "bshd" else y

@@ -29,6 +29,7 @@ import numpy as np
 TARGET = "sidra_tile_dots"
 MVM_TARGET = "sidra_mvm"
 ENGINE_MATMUL_TARGET = "sidra_engine_matmul"
+ATTENTION_TARGET = "sidra_attention"
 MAX_ENGINE_K = 65536  # the engine matmul sums a row in one int32
 PACK_TARGET = "sidra_pack_tiles"
 _SOURCE = Path(__file__).with_name("vnni_dots.cc")
@@ -78,6 +79,7 @@ def load(path: Path | None = None) -> None:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SidraTileDots), platform="cpu")
     jax.ffi.register_ffi_target(MVM_TARGET, jax.ffi.pycapsule(lib.SidraMvm), platform="cpu")
     jax.ffi.register_ffi_target(ENGINE_MATMUL_TARGET, jax.ffi.pycapsule(lib.SidraEngineMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SidraAttention), platform="cpu")
     jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.SidraPackTiles), platform="cpu")
 
 
@@ -176,3 +178,24 @@ def engine_matmul(a, b, *, qmax: float = 127.0):
     y = jax.ffi.ffi_call(ENGINE_MATMUL_TARGET, jax.ShapeDtypeStruct((a3.shape[0], m, n), jnp.float32))(
         a3, b3, qmax=np.float32(qmax))
     return y.reshape(*batch, m, n)
+
+
+_FORMATS = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def attention(q, k, v, *, scale: float, storage: str, heads_first: bool, qmax: float = 127.0):
+    """The engine's unmasked attention (`engine.attention`) in one call: INT8 q k^T, x scale,
+    stored as `storage`, the safe softmax, INT8 with v; float32 q, k (..., S, D), v (..., S, Dv)
+    with `heads_first`, else (B, S, H, D) (jax.nn.dot_product_attention's layout). Within a
+    float32 rounding of the XLA path's scores (its exp and sums), so the same codes but rarely."""
+    if heads_first:  # any leading dimensions, broadcast, as one head each
+        lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        nb = int(np.prod(lead, dtype=np.int64))
+        q, k, v = (jnp.broadcast_to(t, (*lead, *t.shape[-2:])).reshape(nb, 1, *t.shape[-2:]) for t in (q, k, v))
+        out_shape = (*lead, q.shape[-2], v.shape[-1])
+    else:
+        out_shape = (*q.shape[:3], v.shape[-1])
+    y = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), jnp.float32))(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), scale=np.float32(scale),
+        heads_first=np.int64(heads_first), format=np.int64(_FORMATS[storage]), qmax=np.float32(qmax))
+    return y.reshape(out_shape)

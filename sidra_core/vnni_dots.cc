@@ -365,7 +365,8 @@ void once(std::atomic<int>& state, F fn) {
 }
 
 // Mvm's work item: a 64-column panel of kReadRows rows through every tile: the rows' DAC codes,
-// partial sums, read noise (the Box-Muller pair of tiles 2m and 2m + 1 drawn once), ADC, the
+// partial sums, read noise (the Box-Muller pair of tiles 2m and 2m + 1 drawn once; of column
+// vectors 2c and 2c + 1 for an unpaired last tile), ADC, the
 // digital sum and the dequantisation, in the order of sidra_core.crossbar.mvm's XLA path.
 void read_item(const Job& j, int64_t item) {
   const Problem& q = j.q;
@@ -391,6 +392,10 @@ void read_item(const Job& j, int64_t item) {
     panel_dots(q, tile, v0, row0, nrows, p, noise ? v : nullptr, kW);
     // counters as the XLA path's: row-major over (rows, N) per tile pair, wrapping in uint32
     const uint32_t base = static_cast<uint32_t>(tile / 2) * static_cast<uint32_t>(q.rows) * static_cast<uint32_t>(q.n);
+    // an even last tile has no partner: its pairs are drawn per 32-column block instead, z0 for the
+    // first 16 columns and z1 for the next (half the draws), counters row-major over the blocks
+    const bool alone = tile % 2 == 0 && tile + 1 == q.grid_k;
+    const int64_t blocks32 = (q.n + 31) / 32;
     for (int vec = 0; vec < nvb; ++vec) {
       const int64_t c = col0 + vec * kLanes;
       const __mmask16 m = column_mask(static_cast<int>(q.n - c));
@@ -401,7 +406,16 @@ void read_item(const Job& j, int64_t item) {
         __m512 s = _mm512_load_ps(p + at);
         if (noise) {
           __m512 z;
-          if (tile % 2 == 0) {
+          if (alone) {  // the pair serves this and the next vector of 16 columns (of one 32-column block)
+            if (vec % 2 == 0) {
+              const uint32_t first = base + static_cast<uint32_t>((row0 + r) * blocks32 + c / 32) * kLanes;
+              __m512 other;
+              box_muller(seed, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lane), z, other);
+              _mm512_store_ps(z1 + at + kLanes, other);  // (kW is a whole number of 32-column blocks)
+            } else {
+              z = _mm512_load_ps(z1 + at);
+            }
+          } else if (tile % 2 == 0) {
             const uint32_t first = base + static_cast<uint32_t>((row0 + r) * q.n + c);
             __m512 other;
             box_muller(seed, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lane), z, other);
@@ -461,35 +475,44 @@ struct EngineJob {
   std::unique_ptr<std::atomic<int>[]> ready;  // per batch: b's codes made
 };
 
-// One batch's b: each column's scale over K, its codes packed 4 word lines to a 32-bit lane. A
-// column holding a NaN or an infinity gets scale NaN and codes 0.
-void quantise_columns(const EngineJob& j, int64_t batch) {
-  const float* b = j.b + batch * j.k * j.n;
+// The columns of b (K rows of N: element (r, c) at b[r ld + c cs]) as a matmul's right operand: each column's scale
+// over K (max|b| / qmax, 1 for an all-zero column; NaN for a column holding a NaN or an
+// infinity, whose codes are 0), its codes (XLA divides by a column's scale as a product by its
+// reciprocal) packed 4 rows to a 32-bit lane, (NV, kp / 4, 16, 4), and 128 sum_k codes per column.
+void pack_columns(const float* b, int64_t k, int64_t n, int64_t ld, int64_t cs, int64_t kp, float qmax,
+                  int8_t* dst, int32_t* corr, float* scales) {
+  // 16 columns of row r from c: one load, or a gather where the columns are not adjacent (k^T)
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int>(cs)));
+  auto load = [&](__mmask16 m, int64_t r, int64_t c) {
+    const float* at = b + r * ld + c * cs;
+    return cs == 1 ? _mm512_maskz_loadu_ps(m, at) : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, lanes, at, 4);
+  };
   const __m512 inf = _mm512_set1_ps(__builtin_inff()), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
-  const __m512 hi = _mm512_set1_ps(j.qmax), lo = _mm512_set1_ps(-j.qmax);
-  for (int64_t v = 0; v < j.nv; ++v) {
+  const __m512 hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
+  const int64_t nv = (n + kLanes - 1) / kLanes;
+  for (int64_t v = 0; v < nv; ++v, corr += kLanes, scales += kLanes) {
     const int64_t c = v * kLanes;
-    const __mmask16 m = column_mask(static_cast<int>(j.n - c));
+    const __mmask16 m = column_mask(static_cast<int>(n - c));
     __m512 amax = zero;
     __mmask16 bad = 0;
-    for (int64_t r = 0; r < j.k; ++r) {
-      const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, b + r * j.n + c));
+    for (int64_t r = 0; r < k; ++r) {
+      const __m512 a = _mm512_abs_ps(load(m, r, c));
       amax = _mm512_max_ps(amax, a);
       bad |= _mm512_mask_cmp_ps_mask(m, a, inf, _CMP_NLT_UQ);
     }
     __m512 sc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(amax, zero, _CMP_GT_OQ), one,
-                                     _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / j.qmax)));
+                                     _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / qmax)));
     sc = _mm512_mask_blend_ps(bad, sc, _mm512_set1_ps(__builtin_nanf("")));
-    _mm512_storeu_ps(j.sb.get() + (batch * j.nv + v) * kLanes, sc);
+    _mm512_storeu_ps(scales, sc);
     const __mmask16 live = m & static_cast<__mmask16>(~bad);
-    const __m512 inv = _mm512_div_ps(one, sc);  // XLA divides by a column's scale as a product by its reciprocal
-    int8_t* dst = j.bp.get() + (batch * j.nv + v) * j.kp * kLanes;
+    const __m512 inv = _mm512_div_ps(one, sc);
     __m512i sum = _mm512_setzero_si512();
-    for (int64_t g = 0; g < j.kp / 4; ++g, dst += kGroupBytes) {
+    for (int64_t g = 0; g < kp / 4; ++g, dst += kGroupBytes) {
       __m512i word = _mm512_setzero_si512();
-      for (int t = 0; t < 4 && 4 * g + t < j.k; ++t) {
+      for (int t = 0; t < 4 && 4 * g + t < k; ++t) {
         const __m512 codes = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(
-            _mm512_mul_ps(_mm512_maskz_loadu_ps(live, b + (4 * g + t) * j.n + c), inv),
+            _mm512_mul_ps(load(live, 4 * g + t, c), inv),
             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
         const __m512i ci = _mm512_maskz_cvtps_epi32(live, codes);
         sum = _mm512_add_epi32(sum, ci);
@@ -497,7 +520,7 @@ void quantise_columns(const EngineJob& j, int64_t batch) {
       }
       _mm512_storeu_si512(dst, word);
     }
-    _mm512_storeu_si512(j.corr.get() + (batch * j.nv + v) * kLanes, _mm512_slli_epi32(sum, 7));
+    _mm512_storeu_si512(corr, _mm512_slli_epi32(sum, 7));
   }
 }
 
@@ -505,7 +528,10 @@ void quantise_columns(const EngineJob& j, int64_t batch) {
 void engine_item(const EngineJob& j, int64_t item) {
   const int64_t batch = item / j.blocks, row0 = (item % j.blocks) * kReadRows;
   const int64_t nrows = std::min(kReadRows, j.m - row0);
-  once(j.ready[batch], [&] { quantise_columns(j, batch); });
+  once(j.ready[batch], [&] {  // the batch's b, packed by the first item that needs it
+    pack_columns(j.b + batch * j.k * j.n, j.k, j.n, j.n, 1, j.kp, j.qmax, j.bp.get() + batch * j.nv * j.kp * kLanes,
+                 j.corr.get() + batch * j.nv * kLanes, j.sb.get() + batch * j.nv * kLanes);
+  });
   float sa[kReadRows];
   uint8_t* au = j.au.get() + (batch * j.m + row0) * j.kp;
   for (int64_t r = 0; r < nrows; ++r)
@@ -526,6 +552,120 @@ void engine_item(const EngineJob& j, int64_t item) {
       const __mmask16 m = column_mask(static_cast<int>(j.n - c));
       const __m512 acc = _mm512_maskz_loadu_ps(m, y + r * j.n + c);
       _mm512_mask_storeu_ps(y + r * j.n + c, m, _mm512_mul_ps(_mm512_mul_ps(acc, xs), _mm512_loadu_ps(sb + c)));
+    }
+  }
+}
+
+// exp(x) for 16 lanes (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-7 polynomial; within
+// ~1 ulp of libm). Softmax calls it on x - max <= 0; below -87.3 it gives e^-87.3 ~ 1e-38.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // (operand order: a NaN passes)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// The engine's storage rounding (sidra_core.engine.round_to): 0 float32, 1 float16, 2 bfloat16;
+// finite values saturate at the format's largest, inf and NaN pass.
+inline __m512 store_round(__m512 v, int format) {
+  if (format == 0) return v;
+  const float big = format == 1 ? 65504.0f : 3.38953139e38f;
+  const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
+  v = _mm512_mask_blend_ps(finite, v, _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-big)), _mm512_set1_ps(big)));
+  if (format == 1) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The engine's attention without a mask (sidra_core.engine.attention): for each batch and head,
+// scores = INT8 matmul(q, k^T) x scale stored in the engine format, the safe softmax (float32
+// exponentials and sum, stored in the format; a row whose maximum is -inf gives zeros), then the
+// INT8 matmul with v; the scores never leave the item. Rows of q, k, v and the output are D
+// contiguous floats at (b, h, s) -> b bs + h hs + s ss (BHSD or BSHD layouts alike).
+struct AttentionJob {
+  const float *q = nullptr, *k = nullptr, *v = nullptr;
+  float* y = nullptr;
+  int64_t heads = 0, sq = 0, sk = 0, d = 0, dv = 0;
+  int64_t qs[3] = {}, ks[3] = {}, vs[3] = {}, ys[3] = {};  // strides of b, h, s
+  float scale = 0, qmax = 0;
+  int format = 0;
+};
+
+void attention_item(const AttentionJob& j, int64_t item) {
+  const int64_t bi = item / j.heads, hi = item % j.heads;
+  const float* q = j.q + bi * j.qs[0] + hi * j.qs[1];
+  const float* k = j.k + bi * j.ks[0] + hi * j.ks[1];
+  const float* v = j.v + bi * j.vs[0] + hi * j.vs[1];
+  float* y = j.y + bi * j.ys[0] + hi * j.ys[1];
+  const int64_t dp = (j.d + 3) / 4 * 4, tp = (j.sk + 3) / 4 * 4;
+  const int64_t nt = (j.sk + kLanes - 1) / kLanes, nd = (j.dv + kLanes - 1) / kLanes;
+  std::vector<uint8_t> qu(j.sq * dp), pu(j.sq * tp);
+  std::vector<int8_t> kp(nt * dp * kLanes), vp(nd * tp * kLanes);
+  std::vector<int32_t> kc(nt * kLanes), vc(nd * kLanes);
+  std::vector<float> sa(j.sq), sp(j.sq), sb(nt * kLanes), svs(nd * kLanes), sc(j.sq * nt * kLanes);
+  // q k^T: q's rows, k's rows as the columns of k^T
+  for (int64_t r = 0; r < j.sq; ++r) sa[r] = quantise_row(q + r * j.qs[2], j.d, dp, j.qmax, &qu[r * dp], nullptr);
+  pack_columns(k, j.d, j.sk, 1, j.ks[2], dp, j.qmax, kp.data(), kc.data(), sb.data());
+  const int64_t ldc = nt * kLanes;
+  for (int64_t v0 = 0; v0 < nt; v0 += kPanel) {
+    const int nvb = static_cast<int>(std::min<int64_t>(kPanel, nt - v0));
+    signal_panel(nvb, j.sq, qu.data(), dp, kp.data() + v0 * dp * kLanes, dp * kLanes, kc.data() + v0 * kLanes,
+                 static_cast<int>(dp / 4), sc.data() + v0 * kLanes, ldc, nvb * kLanes);
+  }
+  // each row: rescale, x scale, store; the softmax; its INT8 codes
+  const __m512 scale = _mm512_set1_ps(j.scale), ninf = _mm512_set1_ps(-__builtin_inff());
+  for (int64_t r = 0; r < j.sq; ++r) {
+    float* row = &sc[r * ldc];
+    const __m512 xs = _mm512_set1_ps(sa[r]);
+    __m512 mx = ninf;
+    for (int64_t c = 0; c < j.sk; c += kLanes) {
+      const __mmask16 m = column_mask(static_cast<int>(j.sk - c));
+      __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + c), xs), _mm512_loadu_ps(&sb[c]));
+      t = store_round(_mm512_mul_ps(t, scale), j.format);
+      _mm512_storeu_ps(row + c, t);
+      mx = _mm512_mask_max_ps(mx, m, mx, t);
+    }
+    const float top = _mm512_reduce_max_ps(mx);
+    const __m512 tv = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < j.sk; c += kLanes) {
+      const __mmask16 m = column_mask(static_cast<int>(j.sk - c));
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + c), tv)));
+      _mm512_storeu_ps(row + c, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+    const bool masked = top == -__builtin_inff();
+    for (int64_t c = 0; c < j.sk; c += kLanes) {
+      const __m512 p = masked ? _mm512_setzero_ps() : store_round(_mm512_div_ps(_mm512_loadu_ps(row + c), total), j.format);
+      _mm512_storeu_ps(row + c, p);
+    }
+    sp[r] = quantise_row(row, j.sk, tp, j.qmax, &pu[r * tp], nullptr);
+  }
+  // p v: v's columns over the keys, the output in place of q's rows
+  pack_columns(v, j.sk, j.dv, j.vs[2], 1, tp, j.qmax, vp.data(), vc.data(), svs.data());
+  for (int64_t v0 = 0; v0 < nd; v0 += kPanel) {
+    const int nvb = static_cast<int>(std::min<int64_t>(kPanel, nd - v0));
+    const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, j.dv - v0 * kLanes));
+    signal_panel(nvb, j.sq, pu.data(), tp, vp.data() + v0 * tp * kLanes, tp * kLanes, vc.data() + v0 * kLanes,
+                 static_cast<int>(tp / 4), y + v0 * kLanes, j.ys[2], valid);
+  }
+  for (int64_t r = 0; r < j.sq; ++r) {
+    const __m512 xs = _mm512_set1_ps(sp[r]);
+    float* out = y + r * j.ys[2];
+    for (int64_t c = 0; c < j.dv; c += kLanes) {
+      const __mmask16 m = column_mask(static_cast<int>(j.dv - c));
+      _mm512_mask_storeu_ps(out + c, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + c), xs),
+                                                      _mm512_loadu_ps(&svs[c])));
     }
   }
 }
@@ -762,6 +902,48 @@ ffi::Error EngineMatmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, float 
   return ffi::Error::Success();
 }
 
+// The engine's attention (AttentionJob) of q (B, A1, A2, D), k (B, A1, A2, D), v (B, A1, A2, Dv):
+// heads_first: (B, H, S, D), else (B, S, H, D). format: the engine's storage (store_round).
+ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, float scale,
+                     int64_t heads_first, int64_t format, float qmax, ffi::ResultBuffer<ffi::F32> y) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const int hx = heads_first ? 1 : 2, sx = heads_first ? 2 : 1;
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] || qd[0] != vd[0] ||
+      qd[hx] != kd[hx] || qd[hx] != vd[hx] || kd[sx] != vd[sx] || qd[3] != kd[3] || format < 0 || format > 2 ||
+      qd[3] > kMaxEngineK || kd[sx] > kMaxEngineK)
+    return ffi::Error::InvalidArgument("sidra_attention: unexpected operand layout");
+  auto job = std::make_shared<AttentionJob>();
+  AttentionJob& j = *job;
+  j.q = q.typed_data();
+  j.k = k.typed_data();
+  j.v = v.typed_data();
+  j.y = y->typed_data();
+  j.heads = qd[hx];
+  j.sq = qd[sx];
+  j.sk = kd[sx];
+  j.d = qd[3];
+  j.dv = vd[3];
+  auto strides = [&](int64_t s, int64_t d, int64_t* out) {  // b, h, s strides of a (., ., ., d) array
+    out[0] = j.heads * s * d;
+    out[1] = heads_first ? s * d : d;
+    out[2] = heads_first ? d : j.heads * d;
+  };
+  strides(j.sq, j.d, j.qs);
+  strides(j.sk, j.d, j.ks);
+  strides(j.sk, j.dv, j.vs);
+  strides(j.sq, j.dv, j.ys);
+  j.scale = scale;
+  j.qmax = qmax;
+  j.format = static_cast<int>(format);
+  const int64_t batches = qd[0];
+  if (batches * j.heads * j.sq * j.dv == 0) return ffi::Error::Success();
+  auto work = std::make_shared<Work>();
+  work->item = [job](int64_t i) { attention_item(*job, i); };
+  work->items = batches * j.heads;
+  execute(work, batches * j.heads * j.sq * j.sk * (j.d + j.dv));
+  return ffi::Error::Success();
+}
+
 // The layouts above from per-tile arrays: w int8 (grid_k, 256, T N), s bf16 (grid_k, 256, N) (empty
 // without read noise). Word lines past K and columns past N are zeros; corr = 128 sum_k w.
 ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::BF16> s, int64_t k, int64_t terms, int64_t noise,
@@ -867,5 +1049,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraEngineMatmul, EngineMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("qmax")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("heads_first")
+                                  .Attr<int64_t>("format")
                                   .Attr<float>("qmax")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -166,8 +166,10 @@ class _Runner:
         op, kw, p = ins.meta["op"], ins.meta["kw"], self.precision
         aval = ins.out_avals[0]
 
+        mode = self.spec.engine.matmul
+
         def device(*xs_aux):
-            return [_cast(_nn.engine_call(op, xs_aux[:-1], kw, p), aval)]
+            return [_cast(_nn.engine_call(op, xs_aux[:-1], kw, p, mode), aval)]
 
         def exact(*xs):
             return [_cast(_nn.engine_call(op, xs, kw, "fp32"), aval)]

@@ -34,8 +34,11 @@ _CACHE: dict = {}
 UNARY = ("relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "silu")
 
 
-def engine_call(op: str, args, kw: dict, precision: str):
-    """Run engine op `op` on `args` (as the marked function passes them) at `precision`."""
+def engine_call(op: str, args, kw: dict, precision: str, matmul: str = "fp32"):
+    """Run engine op `op` on `args` (as the marked function passes them) at `precision`, its
+    activation matmuls in `matmul` mode (sidra_core.spec.EngineSpec.matmul)."""
+    if op == "attention":
+        return engine.attention(*args, scale=kw["scale"], precision=precision, mode=matmul, layout="bshd")
     if op in UNARY:
         return engine.ELEMENTWISE[op](args[0], precision=precision)
     if op in ("softmax", "log_softmax"):
@@ -107,6 +110,14 @@ def log_softmax(x, axis: int = -1):
     return _marked("log_softmax", axis=int(axis))(x)
 
 
+def dot_product_attention(query, key, value, scale: float | None = None):
+    """Softmax(q k^T scale) v over (batch, seq, heads, dim) arrays, jax.nn.dot_product_attention's
+    layout and default scale (1 / sqrt(dim)), run as the engine's one attention op, as
+    PyTorch's scaled_dot_product_attention is (without a mask)."""
+    scale = 1.0 / float(query.shape[-1]) ** 0.5 if scale is None else float(scale)
+    return _marked("attention", scale=scale)(query, key, value)
+
+
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, ndim: int = 1):
     """Layer norm over the last `ndim` axes, with optional scale and shift."""
     args = [x] + [a for a in (weight, bias) if a is not None]
@@ -125,8 +136,8 @@ def batch_norm(x, mean, var, weight=None, bias=None, eps: float = 1e-5):
     return _marked("batch_norm", eps=float(eps), has_weight=weight is not None, has_bias=bias is not None)(*args)
 
 
-__all__ = ["relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm",
-           "batch_norm"]
+__all__ = ["relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax", "dot_product_attention",
+           "layer_norm", "rms_norm", "batch_norm"]
 
 
 def encoder_block(p, x, heads: int = 4, eps: float = 1e-5):
@@ -136,19 +147,15 @@ def encoder_block(p, x, heads: int = 4, eps: float = 1e-5):
     {"g", "b"}; x is (batch, sequence, d); `eps` is the layer norms' (BERT's is 1e-12).
     A reference model for parity tests, benchmarks and notebooks.
     """
-    import jax.numpy as jnp
-
     b, s, d = x.shape
     dh = d // heads
 
     def lin(t, name):
         return t @ p[name]["w"] + p[name]["b"]
 
-    def split(t):
-        return t.reshape(b, s, heads, dh).transpose(0, 2, 1, 3)
+    def split(t):  # (batch, seq, heads, dim): the projections' own layout, no transpose
+        return t.reshape(b, s, heads, dh)
 
-    q, k, v = split(lin(x, "q")), split(lin(x, "k")), split(lin(x, "v"))
-    scores = jnp.einsum("bhsd,bhtd->bhst", q, k) * (1.0 / dh ** 0.5)
-    a = jnp.einsum("bhst,bhtd->bhsd", softmax(scores, axis=-1), v).transpose(0, 2, 1, 3).reshape(b, s, d)
+    a = dot_product_attention(split(lin(x, "q")), split(lin(x, "k")), split(lin(x, "v"))).reshape(b, s, d)
     x = layer_norm(x + lin(a, "o"), p["ln1"]["g"], p["ln1"]["b"], eps=eps)
     return layer_norm(x + lin(gelu(lin(x, "f1")), "f2"), p["ln2"]["g"], p["ln2"]["b"], eps=eps)

@@ -270,10 +270,14 @@ class _Builder:
         fname = _call_name(eqn)
         if name in ("pjit", "jit") and fname in _nn.REGISTRY:
             op, kw = _nn.REGISTRY[fname]
-            numel = _numel(self.aval(ins[0]))
+            if op == "attention":  # priced as sidra_torch prices scaled_dot_product_attention: its 4 ops
+                (b, s, h, d), (_, t, _, dv) = self.aval(ins[0]).shape, self.aval(ins[2]).shape
+                parts = cost.attention(b * h, s, d, t, dv, self.spec)
+                price, ops = sum(parts[1:], parts[0]), len(parts)
+            else:
+                price, ops = cost.engine(op, _numel(self.aval(ins[0])), self.spec), 1
             return self._emit("marked", "sidra::" + op.replace("gelu_tanh", "gelu"), "engine", eqn, ins,
-                              meta={"op": op, "kw": kw}, cost=cost.engine(op, numel, self.spec),
-                              counts={"engine_ops": 1})
+                              meta={"op": op, "kw": kw}, cost=price, counts={"engine_ops": ops})
         if name in ("pjit", "jit", "custom_jvp_call") and fname in ENGINE_CALLS and len(ins) == 1 \
                 and len(eqn.outvars) == 1 and _is_float(self.aval(ins[0])) and _from_jax_nn(eqn):
             op = ENGINE_CALLS[fname]

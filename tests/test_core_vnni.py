@@ -128,8 +128,7 @@ def _xla_read(p, v, seed, lsb=None, gain=None, qmax=127.0):
             t = p[i]
             if v is not None:
                 if i % 2 == 0:
-                    z = rng.box_muller(jnp.uint32(seed), jax.lax.iota(jnp.uint32, rows * n).reshape(rows, n)
-                                       + jnp.uint32(i // 2 * rows * n))
+                    z = crossbar._read_normals(jnp.uint32(seed), rows, n, i, alone=i + 1 == gk)
                 t = t + jnp.sqrt(v[i]) * z[i % 2]
             t = crossbar._adc(t, None if lsb is None else lsb[i], None if gain is None else gain[i], qmax)
             y = t if y is None else y + t
@@ -274,6 +273,34 @@ def test_the_read_noise_is_standard_normal_times_the_variance_root():
 
 
 @needs_vnni
+def test_an_unpaired_tile_uses_both_normals_of_each_pair():
+    """One tile (K <= 256): each Box-Muller pair feeds two columns 16 apart; the two are independent
+    standard normals."""
+    w, var, codes = _operands(600, 200, 64, 2, seed=6)
+    _, v = _run(w, var, codes, 200, 64, 2)
+    z = (_read(w, var, codes, 200, 64, 2, seed=3) - _read(w, var, codes, 200, 64, 2, noise=False)) / np.sqrt(v[0])
+    assert abs(z.mean()) < 0.02 and abs(z.std() - 1) < 0.02  # 38,400 draws
+    first, second = z[:, 0:16].ravel(), z[:, 16:32].ravel()  # z0 and z1 of the same pairs
+    assert abs(np.corrcoef(first, second)[0, 1]) < 0.04  # 9,600 pairs: sigma ~0.01
+
+
+def test_the_read_normals_layout():
+    """Paired tiles: pair (row, column) of counter row * N + column; an unpaired last tile: pair
+    (row, 32-column block, lane) of counter (row * blocks + block) * 16 + lane, z0 for the block's
+    first 16 columns, z1 for the rest; counters start at tile // 2 * rows * N."""
+    seed, rows, n = jnp.uint32(9), 3, 40
+    z0, z1 = crossbar._read_normals(seed, rows, n, 2, alone=False)
+    c0, c1 = rng.box_muller(seed, jnp.uint32(rows * n + 1 * n + 7))
+    assert z0[1, 7] == c0 and z1[1, 7] == c1
+    za, none = crossbar._read_normals(seed, rows, n, 2, alone=True)
+    assert none is None and za.shape == (rows, n)
+    for col in (3, 18, 35):
+        block, lane = divmod(col, 32)
+        pair = rng.box_muller(seed, jnp.uint32(rows * n + (2 * 2 + block) * 16 + lane % 16))
+        assert za[2, col] == pair[lane // 16]
+
+
+@needs_vnni
 def test_reads_running_at_once_each_give_their_own_sums():
     """Two fused reads in one program (XLA may run them in parallel; the helper steps back) give
     what each gives alone."""
@@ -415,3 +442,54 @@ def test_the_engine_matmul_of_empty_operands():
     with pytest.raises(Exception, match="sidra_engine_matmul: unexpected operand layout"):
         jax.block_until_ready(jax.ffi.ffi_call(vnni.ENGINE_MATMUL_TARGET, jax.ShapeDtypeStruct((2, 4, 3), jnp.float32))(
             jnp.ones((2, 4, 5)), jnp.ones((2, 6, 3)), qmax=np.float32(127)))
+
+
+def _attention_pair(q, k, v, precision, layout):
+    """engine.attention through the kernel and through the XLA path (an all-True mask sends it there)."""
+    sq, sk = (q.shape[-3], k.shape[-3]) if layout == "bshd" else (q.shape[-2], k.shape[-2])
+    lead = q.shape[:1] + q.shape[2:3] if layout == "bshd" else jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    ones = jnp.ones((*lead, sq, sk), bool)
+    run = jax.jit(lambda q, k, v, m: engine.attention(q, k, v, m, scale=0.3, precision=precision, layout=layout))
+    return np.asarray(run(q, k, v, None)), np.asarray(run(q, k, v, ones))
+
+
+@needs_vnni
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("layout,qs,ks,vs", [
+    ("bhsd", (2, 4, 128, 64), (2, 4, 128, 64), (2, 4, 128, 64)),
+    ("bshd", (4, 128, 4, 64), (4, 100, 4, 64), (4, 100, 4, 48)),
+    ("bhsd", (2, 3, 5, 7), (2, 1, 9, 7), (1, 3, 9, 33)),  # leading dimensions broadcast; odd sizes
+    ("bhsd", (6, 17, 40), (6, 17, 40), (6, 17, 40)),
+    ("bshd", (1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1)),
+])
+def test_the_fused_attention_takes_the_xla_paths_steps(precision, layout, qs, ks, vs):
+    """Its exponentials and sums round apart from XLA's, so a stored score or INT8 code may differ,
+    rarely; everything else is the same arithmetic."""
+    rs = np.random.default_rng(sum(qs))
+    q, k, v = (jnp.asarray(rs.standard_normal(s).astype(np.float32) * 2) for s in (qs, ks, vs))
+    got, want = _attention_pair(q, k, v, precision, layout)
+    assert got.shape == want.shape
+    close = np.isclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    assert np.mean(close) >= 0.99
+    assert np.abs(got - want).max() <= 0.01 * np.abs(want).max()
+
+
+@needs_vnni
+def test_the_fused_attention_of_a_nan_query_row_is_nan_and_leaves_the_others():
+    rs = np.random.default_rng(3)
+    q, k, v = (rs.standard_normal((2, 2, 6, 8)).astype(np.float32) for _ in range(3))
+    clean, _ = _attention_pair(q, k, v, "fp16", "bhsd")
+    q[1, 0, 4, 2] = np.nan
+    got, _ = _attention_pair(q, k, v, "fp16", "bhsd")
+    assert np.all(np.isnan(got[1, 0, 4]))
+    bad = np.zeros(got.shape, bool)
+    bad[1, 0, 4] = True
+    np.testing.assert_array_equal(got[~bad], clean[~bad])
+
+
+@needs_vnni
+def test_the_fused_attention_refuses_mismatched_operands():
+    with pytest.raises(Exception, match="sidra_attention: unexpected operand layout"):
+        jax.block_until_ready(jax.ffi.ffi_call(vnni.ATTENTION_TARGET, jax.ShapeDtypeStruct((2, 3, 5, 8), jnp.float32))(
+            jnp.ones((2, 3, 5, 8)), jnp.ones((2, 3, 7, 9)), jnp.ones((2, 3, 7, 8)), scale=np.float32(1),
+            heads_first=np.int64(1), format=np.int64(1), qmax=np.float32(127)))

@@ -98,7 +98,7 @@ def test_cnn_and_attention_costs():
     assert rep.counts == {"mvms": 6, "tile_reads": 6 * b * s, "engine_ops": 9}
     assert len(rep.weights) == 6 and rep.plan.fused_bias == 6
     table = rep.table()
-    for name in ("sidra::linear", "sidra::matmul", "sidra::softmax", "sidra::layer_norm", "sidra::gelu"):
+    for name in ("sidra::linear", "sidra::attention", "sidra::layer_norm", "sidra::gelu"):
         assert name in table
 
 
@@ -207,6 +207,27 @@ def test_nn_ops_on_plain_jax_are_the_exact_functions():
                     (snn.silu, jax.nn.silu)):
         np.testing.assert_allclose(fn(x), ref(x), rtol=1e-5, atol=1e-6)
     assert jax.grad(lambda x: snn.layer_norm(x, g, b).sum())(x).shape == x.shape
+    q, k, v = (jnp.asarray(_x(2, 5, 3, 8, seed=s)) for s in (4, 5, 6))
+    np.testing.assert_allclose(snn.dot_product_attention(q, k, v), jax.nn.dot_product_attention(q, k, v),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(snn.dot_product_attention(q, k, v, scale=0.2),
+                               jax.nn.dot_product_attention(q, k, v, scale=0.2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["int8", "y1"])
+def test_dot_product_attention_is_one_engine_attention_priced_as_sidra_torchs(preset):
+    """snn.dot_product_attention on the chip: engine.attention at the chip's precision and matmul mode
+    (the same call sidra_torch makes for scaled_dot_product_attention), its four ops' cost."""
+    chip = sidra_core.Chip.create(preset, seed=0)
+    spec = chip.spec
+    q, k, v = (jnp.asarray(_x(2, 9, 4, 16, seed=s)) for s in (1, 2, 3))
+    f = sj.jit(lambda q, k, v: snn.dot_product_attention(q, k, v), chip, transfers=False)
+    want = sidra_core.engine.attention(q, k, v, scale=0.25, precision=spec.engine.precision, mode=spec.engine.matmul,
+                                       layout="bshd")
+    np.testing.assert_array_equal(np.asarray(f(q, k, v)), np.asarray(want))
+    _assert_cost(f.cost(q, k, v), _sum(cost.attention(2 * 4, 9, 16, 9, 16, spec)).with_background(spec.cost.background_w))
+    rep = f.report(q, k, v)
+    assert rep.counts == {"engine_ops": 4} and "sidra::attention" in rep.table()
 
 
 def test_unmarked_jax_nn_gelu_still_runs_on_the_engine():
@@ -466,7 +487,7 @@ def test_profiler_table_matches_the_clock_and_sidra_torch_layout():
     _assert_cost(ka.total, c1.cost + c0.cost.scaled(-1))
     rows = {s.name: s for s in ka}
     assert rows["sidra::linear"].calls == 12 and rows["sidra::linear"].where == "crossbar"
-    assert rows["sidra::matmul"].calls == 4 and rows["sidra::matmul"].where == "engine"
+    assert rows["sidra::attention"].calls == 2 and rows["sidra::attention"].where == "engine"
     assert rows["sidra::host_to_device"].where == "host"
     assert rows[f"sidra_jax::{encoder.__name__}"].calls == 2  # one range per call of the function
     assert ka.host_s > 0
