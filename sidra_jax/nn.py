@@ -10,7 +10,9 @@ Why this module exists: `jax.nn.gelu` and `jax.nn.softmax` are inlined into
 their primitives when traced (`erfc`, `mul`, `reduce_max`, `exp`, ...). The
 interpreter still runs those on the engine, but as several element-wise ops
 (each rounded to the engine precision and priced as its own op). For the same
-numerics and cost as PyTorch's fused ops, use these. `jax.nn.relu`,
+numerics and cost as PyTorch's fused ops, use these; `dot_product_attention`
+(jax.nn's layout) is the engine's one attention op, as PyTorch's
+`scaled_dot_product_attention` is on sidra_torch. `jax.nn.relu`,
 `jax.nn.silu`, `jnp.tanh` and `jax.nn.sigmoid` are recognised as they are.
 
     import sidra_jax.nn as snn
