@@ -524,6 +524,32 @@ void pack_columns(const float* b, int64_t k, int64_t n, int64_t ld, int64_t cs, 
   }
 }
 
+// y (rows x n, leading dimension ldy) = the exact sums of INT8 codes (as codes + 128, rows of kp)
+// against n columns packed by pack_columns, as float32: the engine's INT8 matmuls.
+void code_matmul(int64_t rows, const uint8_t* x, int64_t kp, const int8_t* bp, const int32_t* corr, int64_t n,
+                 float* y, int64_t ldy) {
+  const int64_t nv = (n + kLanes - 1) / kLanes, vec_bytes = kp * kLanes;
+  for (int64_t v0 = 0; v0 < nv; v0 += kPanel) {
+    const int nvb = static_cast<int>(std::min<int64_t>(kPanel, nv - v0));
+    const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, n - v0 * kLanes));
+    signal_panel(nvb, rows, x, kp, bp + v0 * vec_bytes, vec_bytes, corr + v0 * kLanes, static_cast<int>(kp / 4),
+                 y + v0 * kLanes, ldy, valid);
+  }
+}
+
+// Those sums x each row's scale sa, then x each column's sb (the XLA path's order), in place.
+void rescale(float* y, int64_t ldy, int64_t rows, int64_t n, const float* sa, const float* sb) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 xs = _mm512_set1_ps(sa[r]);
+    float* out = y + r * ldy;
+    for (int64_t c = 0; c < n; c += kLanes) {
+      const __mmask16 m = column_mask(static_cast<int>(n - c));
+      _mm512_mask_storeu_ps(out + c, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + c), xs),
+                                                      _mm512_loadu_ps(sb + c)));
+    }
+  }
+}
+
 // The engine matmul's work item: kReadRows rows of one batch against all of its columns.
 void engine_item(const EngineJob& j, int64_t item) {
   const int64_t batch = item / j.blocks, row0 = (item % j.blocks) * kReadRows;
@@ -537,23 +563,9 @@ void engine_item(const EngineJob& j, int64_t item) {
   for (int64_t r = 0; r < nrows; ++r)
     sa[r] = quantise_row(j.a + (batch * j.m + row0 + r) * j.k, j.k, j.kp, j.qmax, au + r * j.kp, nullptr);
   float* y = j.y + (batch * j.m + row0) * j.n;
-  const int64_t vec_bytes = j.kp * kLanes;
-  for (int64_t v0 = 0; v0 < j.nv; v0 += kPanel) {
-    const int nvb = static_cast<int>(std::min<int64_t>(kPanel, j.nv - v0));
-    const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, j.n - v0 * kLanes));
-    signal_panel(nvb, nrows, au, j.kp, j.bp.get() + (batch * j.nv + v0) * vec_bytes, vec_bytes,
-                 j.corr.get() + (batch * j.nv + v0) * kLanes, static_cast<int>(j.kp / 4), y + v0 * kLanes, j.n,
-                 valid);
-  }
-  const float* sb = j.sb.get() + batch * j.nv * kLanes;
-  for (int64_t r = 0; r < nrows; ++r) {
-    const __m512 xs = _mm512_set1_ps(sa[r]);
-    for (int64_t c = 0; c < j.n; c += kLanes) {
-      const __mmask16 m = column_mask(static_cast<int>(j.n - c));
-      const __m512 acc = _mm512_maskz_loadu_ps(m, y + r * j.n + c);
-      _mm512_mask_storeu_ps(y + r * j.n + c, m, _mm512_mul_ps(_mm512_mul_ps(acc, xs), _mm512_loadu_ps(sb + c)));
-    }
-  }
+  code_matmul(nrows, au, j.kp, j.bp.get() + batch * j.nv * j.kp * kLanes, j.corr.get() + batch * j.nv * kLanes, j.n,
+              y, j.n);
+  rescale(y, j.n, nrows, j.n, sa, j.sb.get() + batch * j.nv * kLanes);
 }
 
 // exp(x) for 16 lanes (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-7 polynomial; within
@@ -616,11 +628,7 @@ void attention_item(const AttentionJob& j, int64_t item) {
   for (int64_t r = 0; r < j.sq; ++r) sa[r] = quantise_row(q + r * j.qs[2], j.d, dp, j.qmax, &qu[r * dp], nullptr);
   pack_columns(k, j.d, j.sk, 1, j.ks[2], dp, j.qmax, kp.data(), kc.data(), sb.data());
   const int64_t ldc = nt * kLanes;
-  for (int64_t v0 = 0; v0 < nt; v0 += kPanel) {
-    const int nvb = static_cast<int>(std::min<int64_t>(kPanel, nt - v0));
-    signal_panel(nvb, j.sq, qu.data(), dp, kp.data() + v0 * dp * kLanes, dp * kLanes, kc.data() + v0 * kLanes,
-                 static_cast<int>(dp / 4), sc.data() + v0 * kLanes, ldc, nvb * kLanes);
-  }
+  code_matmul(j.sq, qu.data(), dp, kp.data(), kc.data(), j.sk, sc.data(), ldc);
   // each row: rescale, x scale, store; the softmax; its INT8 codes
   const __m512 scale = _mm512_set1_ps(j.scale), ninf = _mm512_set1_ps(-__builtin_inff());
   for (int64_t r = 0; r < j.sq; ++r) {
@@ -653,21 +661,8 @@ void attention_item(const AttentionJob& j, int64_t item) {
   }
   // p v: v's columns over the keys, the output in place of q's rows
   pack_columns(v, j.sk, j.dv, j.vs[2], 1, tp, j.qmax, vp.data(), vc.data(), svs.data());
-  for (int64_t v0 = 0; v0 < nd; v0 += kPanel) {
-    const int nvb = static_cast<int>(std::min<int64_t>(kPanel, nd - v0));
-    const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, j.dv - v0 * kLanes));
-    signal_panel(nvb, j.sq, pu.data(), tp, vp.data() + v0 * tp * kLanes, tp * kLanes, vc.data() + v0 * kLanes,
-                 static_cast<int>(tp / 4), y + v0 * kLanes, j.ys[2], valid);
-  }
-  for (int64_t r = 0; r < j.sq; ++r) {
-    const __m512 xs = _mm512_set1_ps(sp[r]);
-    float* out = y + r * j.ys[2];
-    for (int64_t c = 0; c < j.dv; c += kLanes) {
-      const __mmask16 m = column_mask(static_cast<int>(j.dv - c));
-      _mm512_mask_storeu_ps(out + c, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + c), xs),
-                                                      _mm512_loadu_ps(&svs[c])));
-    }
-  }
+  code_matmul(j.sq, pu.data(), tp, vp.data(), vc.data(), j.dv, y, j.ys[2]);
+  rescale(y, j.ys[2], j.sq, j.dv, sp.data(), svs.data());
 }
 
 // Items are taken from a shared counter by the caller and the helper threads. The caller waits
