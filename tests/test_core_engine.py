@@ -284,3 +284,9 @@ def test_attention_at_fp32_is_exact_attention(masking):
     np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5)
     if masking == "bool":
         assert np.all(np.asarray(y)[1, :, 3] == 0)
+
+
+def test_attention_names_an_unknown_layout():
+    q = jnp.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match="attention layout must be 'bhsd' or 'bshd', got 'sbhd'"):
+        engine.attention(q, q, q, scale=0.5, layout="sbhd")
