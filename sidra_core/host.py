@@ -31,7 +31,14 @@ if os.environ.get("SIDRA_JAX_KEEP_BARRIERS", "1") != "0":
 
 
 def cpu_flags() -> set[str]:
-    """The CPU feature flags Linux reports (empty elsewhere)."""
+    """The CPU feature flags Linux reports (empty elsewhere).
+
+    SIDRA_CPU_FLAGS (space-separated) replaces them, so that any host can run what a host with other
+    instructions runs: "avx2 fma" gives an AVX2 host's choices (no AMX dots, no VNNI kernel).
+    """
+    forced = os.environ.get("SIDRA_CPU_FLAGS")
+    if forced is not None:
+        return set(forced.split())
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

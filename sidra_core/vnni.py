@@ -83,13 +83,18 @@ def load(path: Path | None = None) -> None:
     jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.SidraPackTiles), platform="cpu")
 
 
+def host_supports() -> bool:
+    """Whether this host has what the kernel needs: Linux and a CPU with AVX-512 VNNI and BF16."""
+    from sidra_core import host
+
+    return sys.platform.startswith("linux") and all(f in host.cpu_flags() for f in _CPU_FEATURES)
+
+
 @functools.cache
 def available() -> bool:
     """Whether the VNNI kernel runs here: the CPU has the instructions and the kernel is built and
     registered with XLA (built on the first call; a failed build warns once and returns False)."""
-    from sidra_core import host
-
-    if not sys.platform.startswith("linux") or not all(f in host.cpu_flags() for f in _CPU_FEATURES):
+    if not host_supports():
         return False
     try:
         load()
