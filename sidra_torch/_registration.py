@@ -19,7 +19,9 @@ What `register()` does:
 """
 from __future__ import annotations
 
+import copyreg
 import threading
+import weakref
 
 import torch
 import torch.utils.backend_registration as _br
@@ -211,6 +213,38 @@ def _register_autocast():
 
 
 # --------------------------------------------------------------------------
+# Module.to after a forward on the CPU
+# --------------------------------------------------------------------------
+_TORCH_SWAP_TENSORS = torch.utils.swap_tensors
+
+
+def _moved_after_forward(grad_outputs):
+    raise RuntimeError("a parameter of this graph moved to sidra:0 (Module.to) after the forward that made the graph; "
+                       "call backward before moving the module, or run the forward again on the device")
+
+
+def swap_tensors(t1, t2):
+    """`torch.utils.swap_tensors`, which `Module.to` uses for wrapper subclasses, also for a CPU
+    parameter that an autograd graph still holds (a forward on the CPU whose outputs are alive).
+
+    torch refuses that swap (the graph holds the parameter's TensorImpl), so `.to("sidra:0")` failed
+    where `.to("cuda")`, which assigns `.data`, works. The graph keeps the old CPU tensor, as it
+    was; its gradient accumulator is poisoned, as torch does for the one case it allows, so a
+    backward through that graph raises instead of filling a tensor the module no longer has. Every
+    other swap is torch's own.
+    """
+    if (not isinstance(t2, _t.SidraTensor) or isinstance(t1, _t.SidraTensor) or t1._use_count() <= 2
+            or weakref.getweakrefs(t1) or weakref.getweakrefs(t2)
+            or copyreg._slotnames(type(t1)) or copyreg._slotnames(type(t2))):
+        return _TORCH_SWAP_TENSORS(t1, t2)
+    if t1.requires_grad and t1.is_leaf:
+        torch.autograd.graph.get_gradient_edge(t1).node.register_prehook(_moved_after_forward)
+    t1.__class__, t2.__class__ = t2.__class__, t1.__class__
+    t1.__dict__, t2.__dict__ = t2.__dict__, t1.__dict__
+    torch._C._swap_tensor_impl(t1, t2)
+
+
+# --------------------------------------------------------------------------
 def register() -> None:
     """Idempotent.  After this, "sidra:0" is a working device.
 
@@ -220,6 +254,8 @@ def register() -> None:
     alone: it would change how every CPU module converts (and fail while an
     autograd graph holds its parameters), so `.to("cpu")` makes new CPU
     parameters, as for any subclass (HF models re-tie with `tie_weights()`).
+    `torch.utils.swap_tensors` is replaced by `swap_tensors` above, which differs
+    from torch's only for a CPU tensor moving onto the device while a graph holds it.
     """
     global _REGISTERED
     with _LOCK:
@@ -244,6 +280,7 @@ def register() -> None:
         _register_copy_kernels()
         _register_autocast()
         _register_sdpa()
+        torch.utils.swap_tensors = swap_tensors
         from . import serialization
 
         serialization.register()

@@ -721,6 +721,38 @@ def test_hf_gpt2_tied_weights_after_to_device():
     assert g.lm_head.weight is g.transformer.wte.weight
 
 
+def test_to_device_after_a_cpu_forward_whose_graph_is_alive():
+    """The lines a quick script writes: a CPU forward with autograd on, then `.to`; as on CUDA."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    x = torch.randn(2, 8)
+    ref = m(x)      # autograd graph alive, as in any quick script
+    m.to("sidra:0")
+    assert all(p.device == DEV and isinstance(p, torch.nn.Parameter) for p in m.parameters())
+    y = m(x.to(D))
+    assert_close(y, ref.detach())
+    y.sum().backward()  # the module trains on the device
+    assert m[1].weight.grad is not None and m[1].weight.grad.device == DEV
+    # the old CPU graph kept its own tensors; its backward would fill a parameter the module no longer has
+    with pytest.raises(RuntimeError, match="moved to sidra:0 .*after the forward that made the graph"):
+        ref.sum().backward()
+
+
+def test_hf_gpt2_stays_tied_when_moved_after_a_cpu_forward():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    g = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.tensor([[1, 5, 7, 3]])
+    ref = g(ids).logits  # the tied weight is held by this graph (the LM head's saved transpose)
+    n = len(list(g.parameters()))
+    g.to(D)
+    assert g.lm_head.weight is g.transformer.wte.weight and g.lm_head.weight.device == DEV
+    assert len(list(g.parameters())) == n
+    assert_close(g(ids.to(D)).logits, ref.detach())
+
+
 # ---------------------------------------------------------------------------
 # errors like CUDA's
 
