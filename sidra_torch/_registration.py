@@ -281,7 +281,9 @@ def register() -> None:
         _register_autocast()
         _register_sdpa()
         torch.utils.swap_tensors = swap_tensors
-        from . import serialization
+        from . import profiler, serialization
+
+        profiler.install()
 
         serialization.register()
         _REGISTERED = True

@@ -7,16 +7,28 @@
 
 Per op: calls, simulated device time, energy, where it ran (crossbar, engine,
 memory, host), host-link bytes and host simulation time. User ranges from
-`torch.profiler.record_function` appear as rows and on the timeline. Under
-PyTorch's own `torch.profiler.profile(activities=[..., ProfilerActivity.SIDRA])`
-each device op shows up as a `sidra::<op>` range.
+`torch.profiler.record_function` appear as rows and on the timeline.
+
+PyTorch's own profiler works too, as the SIDRA chapter writes it:
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.SIDRA]) as prof:
+        y = model(x)
+    print(prof.key_averages().table())   # device ops with their SIDRA (device) time
+
+PyTorch takes a PrivateUse1 device's events only from a C++ Kineto plugin, which would need a
+compiler and a build per torch version on every user's machine; `install` instead adds the device
+ops to the events torch parses from Kineto, in one wrapped method, for profiles that record the
+SIDRA activity. torch's table has no energy column: energy is in this module's table.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch.autograd.profiler as _autograd_profiler
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
 from sidra_core.cost import Cost
 from sidra_core.report import OpRecord, key_averages, write_chrome_trace
@@ -122,3 +134,52 @@ class profile:
     def export_chrome_trace(self, path: str) -> None:
         """A device timeline (simulated clock) in the Chrome trace format: one event per device op."""
         write_chrome_trace(self.ranges + self.records, path)
+
+
+# -- PyTorch's profiler: the SIDRA activity ------------------------------------
+
+
+def device_events(prof, events: list) -> list:
+    """The device ops `prof` (a torch.autograd.profiler.profile that has stopped) saw, as FunctionEvents
+    on the SIDRA device, named as the op (`addmm`), placed at their host start and lasting their
+    simulated device time. Where the profile also recorded the CPU, each is a kernel of its
+    `sidra::<op>` range, as CUDA kernels are of the ops that launch them. Ops up to the profile's end
+    are taken off the record either way, so a profile without the SIDRA activity leaves nothing behind."""
+    start, end = prof.profiling_start_time_ns, prof.profiling_end_time_ns
+    ops = [op for op in _t.torch_profiled if op[1] <= end]
+    del _t.torch_profiled[:len(ops)]
+    if prof.use_device != _t.DEVICE_TYPE:
+        return []
+    ranges: dict = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith("sidra::"):
+            ranges.setdefault(e.name, []).append(e)
+    for launched in ranges.values():
+        launched.reverse()  # events come sorted by start: pop() gives the earliest
+    first_id = max((e.id for e in events), default=0) + 1
+    out = []
+    for name, t0, device_s in (op for op in ops if op[1] >= start):
+        kernel, begin = name.removeprefix("sidra::"), (t0 - start) / 1e3
+        out.append(FunctionEvent(id=first_id + len(out), name=kernel, thread=0, start_us=begin,
+                                 end_us=begin + device_s * 1e6, use_device=prof.use_device, input_shapes=[],
+                                 stack=[], device_type=DeviceType.PrivateUse1, device_index=0, is_async=False))
+        if ranges.get(name):
+            ranges[name].pop().append_kernel(kernel, 0, device_s * 1e6)
+    return out
+
+
+def install() -> None:
+    """Wrap torch's parsing of a profile's Kineto results to add `device_events` (idempotent)."""
+    cls = _autograd_profiler.profile
+    if getattr(cls._parse_kineto_results, "_sidra", False):
+        return
+    parse = cls._parse_kineto_results
+
+    @functools.wraps(parse)
+    def parse_with_device_ops(prof, result, *args, **kwargs):
+        events = parse(prof, result, *args, **kwargs)
+        added = device_events(prof, events)
+        return sorted(events + added, key=lambda e: (e.time_range.start, -e.time_range.end)) if added else events
+
+    parse_with_device_ops._sidra = True
+    cls._parse_kineto_results = parse_with_device_ops

@@ -12,6 +12,7 @@ mutates the inner and returns the *same* wrapper object).
 from __future__ import annotations
 
 import sys as _sys
+import time as _time
 import weakref as _weakref
 
 import torch
@@ -431,13 +432,22 @@ def op_name(func) -> str:
     return "sidra::" + func._schema.name.split("::")[-1]
 
 
+# Device ops run while PyTorch's profiler records: (name, host start in perf_counter ns, device
+# seconds), which `profiler.device_events` hands to that profiler as its SIDRA activity's events.
+torch_profiled: list = []
+
+
 def _ranged(func, runner, args, uargs, ukwargs):
-    """A device op under PyTorch's own profiler: a `sidra::<op>` range around it."""
-    rec = _enter_range(op_name(func), None)
+    """A device op under PyTorch's own profiler: a `sidra::<op>` range around it, its device time kept."""
+    name = op_name(func)
+    clock = _runtime.current_chip().clock
+    start_s, t0 = clock.now, _time.perf_counter_ns()
+    rec = _enter_range(name, None)
     try:
         return runner(func, args, uargs, ukwargs)
     finally:
         _exit_range(rec)
+        torch_profiled.append((name, t0, clock.now - start_s))
 
 
 # --------------------------------------------------------------------------

@@ -61,8 +61,45 @@ def test_device_ops_show_under_torch_profiler():
     x = torch.randn(4, 32).to("sidra:0")
     with sidra_torch.use_chip("ideal"), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.SIDRA]) as p:
         m(x)
-    names = {e.key for e in p.key_averages()}
-    assert {"sidra::addmm", "sidra::gelu", "sidra::native_layer_norm"} <= names
+    rows = {e.key: e for e in p.key_averages()}
+    assert {"sidra::addmm", "sidra::gelu", "sidra::native_layer_norm"} <= set(rows)
+    # each device op is a kernel of its CPU range, as CUDA's kernels are of the ops that launch them
+    for op in ("addmm", "gelu", "native_layer_norm"):
+        assert rows[op].device_type == torch.autograd.DeviceType.PrivateUse1
+        assert rows[op].device_time_total > 0
+        assert rows["sidra::" + op].device_time_total == pytest.approx(rows[op].device_time_total)
+    assert rows["addmm"].count == 2
+
+
+def test_torch_profiler_times_device_ops_on_the_device_clock():
+    """The SIDRA activity alone: one event per device op, lasting the op's simulated device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m = _model()
+    x = torch.randn(4, 32).to("sidra:0")
+    with torch.no_grad():
+        m(x)  # programmed
+        before = torch.sidra.device_time()
+        with profile(activities=[ProfilerActivity.SIDRA]) as p:
+            m(x)
+        spent = torch.sidra.device_time() - before
+    rows = {e.key: e for e in p.key_averages()}
+    assert set(rows) == {"addmm", "gelu", "native_layer_norm"}
+    assert all(e.device_type == torch.autograd.DeviceType.PrivateUse1 for e in rows.values())
+    assert sum(e.self_device_time_total for e in rows.values()) == pytest.approx(spent * 1e6, rel=1e-6)
+    assert rows["addmm"].count == 2 and min(e.device_time_total for e in rows.values()) > 0
+
+
+def test_a_profile_without_the_device_activity_leaves_no_device_events():
+    from torch.profiler import ProfilerActivity, profile
+
+    from sidra_torch import tensor as _t
+
+    m, x = _model(), torch.randn(4, 32).to("sidra:0")
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        m(x)
+    assert all(e.device_type == torch.autograd.DeviceType.CPU for e in p.events())
+    assert "sidra::addmm" in {e.key for e in p.key_averages()} and not _t.torch_profiled
 
 
 def test_only_one_profiler_records_at_a_time():
