@@ -4,7 +4,14 @@ Physics and cost live here and only here; `sidra_torch` and `sidra_jax`
 translate framework operations into calls of these kernels.
 """
 
+import jax as _jax
+import jaxlib as _jaxlib
+
 from . import host as _host
+from . import versions as _versions
+
+_versions.check("jax", _jax.__version__)
+_versions.check("jaxlib", _jaxlib.__version__)
 
 _host.use_compilation_cache()
 _host.keep_freed_memory()

@@ -11,19 +11,9 @@ from __future__ import annotations
 
 import torch
 
-MIN_TORCH = (2, 10)
+from sidra_core import versions as _versions
 
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-if _torch_version() < MIN_TORCH:
-    raise ImportError(
-        f"sidra_torch needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (its Python PrivateUse1 backend API); "
-        f"this is torch {torch.__version__}. Upgrade with: pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}'"
-    )
+_versions.check("torch", torch.__version__)
 
 from . import profiler  # noqa: E402
 from . import weights as _weights  # noqa: E402
