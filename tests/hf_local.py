@@ -222,7 +222,7 @@ def gpt2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def marian_dir(tmp_path_factory) -> Path:
     """A small Marian en->tr (d_model 32, 2+2 layers): cheap to program on the noisy chips."""
-    pytest.importorskip("sentencepiece")
+    import sentencepiece  # noqa: F401 - the Marian tokenizer needs it
     return marian_folder(tmp_path_factory.mktemp("marian-small"), SMALL_MARIAN)
 
 
@@ -231,5 +231,5 @@ def marian_dir(tmp_path_factory) -> Path:
 def opus_mt_dir(tmp_path_factory, request) -> Path:
     """A Marian en->tr of opus-mt-en-tr's shape (d_model 512, 6+6 layers, 8 heads, ffn 2048; ~44 M crossbar
     weights, slow), or of its depth and heads at a quarter of its width (the default run)."""
-    pytest.importorskip("sentencepiece")
+    import sentencepiece  # noqa: F401 - the Marian tokenizer needs it
     return marian_folder(tmp_path_factory.mktemp("opus-mt-en-tr-shape"), request.param)

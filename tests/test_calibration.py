@@ -75,6 +75,12 @@ def _report(name: str, measured: float, target: float, unit: str) -> str:
     return f"{name}: {measured:.4g} {unit} against {target:.4g} {unit} documented ({measured / target - 1:+.1%})"
 
 
+# The calibrated figures are pinned to about +-2 % of the documentation's: a change to a cost
+# coefficient that moves one by more fails here (BERT-base measures +1.0 % / +1.1 %, the Marian
+# sentence +1.4 % / +0.8 %, its first call -0.4 %).
+PINNED = 0.02
+
+
 def test_bert_base_batch_1_sequence_512(restore_chip):
     """~5 ms, and 1/50 of the H100's energy (2 ms at 700 W): 28 mJ."""
     m = _measure("bert-base", sidra_core.preset("y1", **QUIET), 512, dry=True)
@@ -82,20 +88,26 @@ def test_bert_base_batch_1_sequence_512(restore_chip):
     energy = _report("energy", m.energy_j * 1e3, bench.Y1_BERT_ENERGY_J * 1e3, "mJ")
     print(f"BERT-base b1 s512 on y1: {lat}; {energy}; H100 uses {bench.H100_BERT_ENERGY_J / m.energy_j:.1f}x "
           f"the energy, SIDRA is {m.latency_s / bench.H100_BERT_LATENCY_S:.2f}x slower")
-    assert m.latency_s == pytest.approx(bench.Y1_BERT_LATENCY_S, rel=0.25), lat
-    assert m.energy_j == pytest.approx(bench.Y1_BERT_ENERGY_J, rel=0.30), energy
+    assert m.latency_s == pytest.approx(bench.Y1_BERT_LATENCY_S, rel=PINNED), lat
+    assert m.energy_j == pytest.approx(bench.Y1_BERT_ENERGY_J, rel=PINNED), energy
     assert m.steady["fallback_ops"] == 0  # all of it on the chip
 
 
-@pytest.mark.slow
-def test_marian_en_tr_sentence_and_first_call(restore_chip):
-    """One 100-token translation: ~30 mJ and ~10 ms once programmed; the first call ~2 s (ISPP simulated)."""
-    m = _measure("marian-en-tr", sidra_core.preset("y1"), bench.SENTENCE_TOKENS, dry=True)
+def test_marian_en_tr_sentence(restore_chip):
+    """One 100-token translation once programmed: ~30 mJ and ~10 ms, most of the time the engine's
+    launches of a decoder step's small ops (prices do not depend on the numerics: QUIET)."""
+    m = _measure("marian-en-tr", sidra_core.preset("y1", **QUIET), bench.SENTENCE_TOKENS, dry=True)
     energy = _report("energy", m.energy_j * 1e3, bench.Y1_SENTENCE_ENERGY_J * 1e3, "mJ")
     lat = _report("latency", m.latency_s * 1e3, bench.Y1_SENTENCE_LATENCY_S * 1e3, "ms")
+    print(f"Marian en-tr, one 100-token sentence on y1: {energy}; {lat}")
+    assert m.energy_j == pytest.approx(bench.Y1_SENTENCE_ENERGY_J, rel=PINNED), energy
+    assert m.latency_s == pytest.approx(bench.Y1_SENTENCE_LATENCY_S, rel=PINNED), lat
+
+
+@pytest.mark.slow
+def test_marian_en_tr_first_call(restore_chip):
+    """The first translation ~2 s: programming the crossbars by ISPP, simulated."""
+    m = _measure("marian-en-tr", sidra_core.preset("y1"), bench.SENTENCE_TOKENS, dry=True)
     first = _report("first call", m.first["busy_s"], bench.Y1_FIRST_CALL_S, "s")
-    print(f"Marian en-tr, one 100-token sentence on y1: {energy}; {lat}; {first} "
-          f"({m.first['pulses']:,} ISPP pulses)")
-    assert m.energy_j == pytest.approx(bench.Y1_SENTENCE_ENERGY_J, rel=0.25), energy
-    assert m.latency_s == pytest.approx(bench.Y1_SENTENCE_LATENCY_S, rel=0.25), lat
-    assert m.first["busy_s"] == pytest.approx(bench.Y1_FIRST_CALL_S, rel=0.25), first
+    print(f"Marian en-tr on y1: {first} ({m.first['pulses']:,} ISPP pulses)")
+    assert m.first["busy_s"] == pytest.approx(bench.Y1_FIRST_CALL_S, rel=PINNED), first

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+from sidra_core import engine
+
 F = torch.nn.functional
-
-from sidra_core import engine  # noqa: E402
 
 # Relative rounding of one conversion to the format (round to nearest): half an ulp.
 UNIT = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}

@@ -8,12 +8,14 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 import sidra_core as sc
 from sidra_core import crossbar, vnni
 from sidra_core.quant import quantise_rows
+from noise_stats import NOISY_INT8, read_variance
 
 IDEAL = sc.preset("ideal")
 INT8 = sc.preset("int8")
@@ -366,7 +368,7 @@ def test_mvm_rejects_wrong_k():
 
 
 def test_read_noise_variance_matches_sum_x2_sigma2():
-    spec = sc.preset("int8", noise__read_sigma=0.01, adc__enabled=False)
+    spec = sc.preset("int8", **NOISY_INT8)
     k, n, rows, seeds = 300, 200, 8, 100
     w, x = _rand((k, n), 10), _rand((rows, k), 11)
     st = sc.program(w, spec)
@@ -376,13 +378,7 @@ def test_read_noise_variance_matches_sum_x2_sigma2():
     ys = np.stack([np.asarray(sc.mvm(snap, xj, jnp.uint32(s), None, **kw), np.float64) for s in range(seeds)])
     det = np.asarray(sc.mvm(dataclasses.replace(snap, var=None), xj, None, None, **kw), np.float64)  # noise-free
     # expected variance: (xs s_j)^2 sum_i q_i^2 var_ij, var in code units from the snapshot
-    q, xs = (np.asarray(a, np.float64) for a in quantise_rows(x, 8))
-    var = np.asarray(snap.tiles(snap.var), np.float64)[..., :n]  # (tile, row, column)
-    gk, r = var.shape[:2]
-    qp = np.zeros((rows, gk * r))
-    qp[:, :k] = q
-    code_var = np.einsum("rtk,tkn->rn", (qp ** 2).reshape(rows, gk, r), var)
-    expected = code_var * (xs * st.scale[None, :].astype(np.float64)) ** 2
+    expected = read_variance(w, x, spec)
     measured = ys.var(axis=0, ddof=1)
     ratio = measured / expected
     # each ratio has relative sd sqrt(2/(S-1)) = 0.142 (S = 100 seeds); the mean of 1600 of them has
@@ -395,6 +391,8 @@ def test_read_noise_variance_matches_sum_x2_sigma2():
     z = (ys.mean(axis=0) - det) / np.sqrt(expected / seeds)
     assert abs(z.mean()) < 0.125 and 0.85 < z.std() < 1.15
     # expected magnitude: 1 % of G per cell
+    var = np.asarray(snap.tiles(snap.var), np.float64)[..., :n]  # (tile, row, column), code units
+    gk, r = var.shape[:2]
     g = st.g_plus.astype(np.float64) ** 2 + st.g_minus.astype(np.float64) ** 2
     dg = (spec.tile.g_max - spec.tile.g_min) / 127
     np.testing.assert_allclose(var.reshape(gk * r, n), 1e-4 * g[:, :n] / dg ** 2, rtol=5e-3)  # stored as bf16
@@ -636,7 +634,6 @@ def test_ir_drop_attenuates():
 # Convolutions vs torch
 
 
-torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 CONV_CASES = [

@@ -1,14 +1,14 @@
-"""Counter-based random numbers: distribution and independence of rng.normal / rng.uniform."""
+"""Counter-based random numbers: distribution and independence of rng.normal, normal_pair,
+box_muller and uniform."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
-scipy_stats = pytest.importorskip("scipy.stats")
-
-from sidra_core import rng  # noqa: E402
+from sidra_core import rng
 
 N = 200_000
 
@@ -73,6 +73,24 @@ def test_seed32_mixes_parts():
     assert rng.seed32(0, 1) != rng.seed32(0, 2)
     assert len({rng.seed32(0, i) for i in range(10000)}) == 10000
     assert 0 <= rng.seed32(2**64 + 5, -1) < 2**32
+
+
+@pytest.mark.parametrize("seed", [0, 77, 0xFFFFFFFF])
+def test_normal_pair_draws_are_independent_standard_normals(seed):
+    """The programming model's normals: two 16-bit inverse-CDF draws from one hash."""
+    z1, z2 = (np.asarray(z, np.float64) for z in rng.normal_pair(jnp.uint32(seed), jnp.arange(N, dtype=jnp.uint32)))
+    for z in (z1, z2):
+        # the bounds of test_normal_moments_and_ks (n = 2e5, ~5 sd)
+        assert abs(z.mean()) < 0.011 and abs(z.std() - 1) < 0.008
+        assert abs(scipy_stats.skew(z)) < 0.03 and abs(scipy_stats.kurtosis(z)) < 0.06
+        assert scipy_stats.kstest(z, "norm").pvalue > 1e-4
+        assert 400 < (np.abs(z) > 3).sum() < 680
+        assert np.abs(z).max() <= 4.5  # 16 bits: the outermost bin centre is at 4.4 sd
+        assert len(np.unique(z)) <= 1 << 16
+    # independent halves of one hash: no correlation, in value or in magnitude (sd 0.0022)
+    assert abs(np.corrcoef(z1, z2)[0, 1]) < 0.011
+    assert abs(np.corrcoef(np.abs(z1), np.abs(z2))[0, 1]) < 0.011
+    assert abs(np.corrcoef(z1[:-1], z1[1:])[0, 1]) < 0.011
 
 
 @pytest.mark.parametrize("seed", [0, 77, 0xFFFFFFFF])

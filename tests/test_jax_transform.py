@@ -359,6 +359,20 @@ def test_fresh_noise_each_call_and_reproducible_per_seed():
     assert not np.array_equal(other, runs[0][0])
 
 
+def test_read_noise_has_the_physics_variance():
+    """The outputs of a weight read on a noisy chip spread as the physics says (sum of x^2 times the
+    cells' read variances), over fresh reads: a sigma wired wrong into the bridge fails."""
+    from noise_stats import NOISY_INT8, assert_read_variance, read_variance
+
+    spec = sidra_core.preset("int8", **NOISY_INT8)
+    w, x = _x(300, 200, seed=3), _x(8, 300, seed=4)
+    chip = sidra_core.Chip.create(spec, seed=5)
+    prog = sj.program({"w": w}, chip)
+    f = sj.jit(lambda p, x: x @ p["w"], transfers=False)
+    reads = np.stack([np.asarray(f(prog, x), np.float64) for _ in range(60)])
+    assert_read_variance(reads, read_variance(w, x, spec))
+
+
 def test_drift_after_advancing_the_clock():
     params = _params(MLP)
     x = _x(32, 20)
@@ -377,7 +391,7 @@ def test_drift_after_advancing_the_clock():
 
 
 def test_flax_linen_dense_and_conv_model():
-    flax_nn = pytest.importorskip("flax.linen")
+    from flax import linen as flax_nn
 
     class Net(flax_nn.Module):
         @flax_nn.compact
@@ -428,7 +442,7 @@ def test_transposed_conv_runs_on_the_crossbar(strides, padding):
 def test_flax_attention_projections_run_on_the_crossbar():
     # MultiHeadDotProductAttention projects with DenseGeneral: 3-d kernels (features, heads, head dim)
     # and (heads, head dim, features), each held as one crossbar matrix
-    flax_nn = pytest.importorskip("flax.linen")
+    from flax import linen as flax_nn
     net = flax_nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, out_features=6)
     x = jnp.asarray(_x(2, 5, 4))
     variables = net.init(jax.random.PRNGKey(0), x)
@@ -447,7 +461,7 @@ def test_flax_attention_projections_run_on_the_crossbar():
 
 
 def test_flax_nnx_linear_and_conv():
-    nnx = pytest.importorskip("flax.nnx")
+    from flax import nnx as nnx
 
     class Net(nnx.Module):
         def __init__(self, rngs):

@@ -340,11 +340,15 @@ def test_grouped_query_attention_runs_on_the_engine(ideal, mode):
 @pytest.mark.parametrize("chip", ["y1", "int8"])
 @pytest.mark.parametrize("masking", ["none", "bool", "float", "causal"])
 @pytest.mark.parametrize("length", [6, 19])
-def test_sdpa_in_one_program_equals_the_engine_ops_one_by_one(restore_chip, chip, masking, length):
+def test_sdpa_in_one_program_equals_the_engine_ops_one_by_one(restore_chip, chip, masking, length, monkeypatch):
     """float32 attention runs as one engine program; it gives what the ops one by one give, bit for bit,
     fully masked rows included, and charges the same device time and energy; also at a length the
     program runs padded (19 -> 24, padded keys masked out)."""
     from sidra_torch import dispatch
+
+    fused_calls = []
+    fused = dispatch._fused_sdpa
+    monkeypatch.setattr(dispatch, "_fused_sdpa", lambda *a: fused_calls.append(a) or fused(*a))
 
     g = torch.Generator().manual_seed(0)
     n = length
@@ -365,6 +369,7 @@ def test_sdpa_in_one_program_equals_the_engine_ops_one_by_one(restore_chip, chip
             ref = sidra_torch.wrap(dispatch._sdpa_ops(*(sidra_torch.unwrap(t) for t in (qd, kd, vd)),
                                                       None if md is None else sidra_torch.unwrap(md),
                                                       1.0 / 8 ** 0.5, causal))
+    assert len(fused_calls) == 1  # the one program ran (not the ops one by one twice)
     assert torch.equal(y.cpu(), ref.cpu())
     keys = [key for key in one.after if isinstance(one.after[key], (int, float))]
     assert {key: one[key] for key in keys} == pytest.approx({key: ops[key] for key in keys}, rel=1e-9)
@@ -864,3 +869,26 @@ def test_fine_tuning_last_layers_of_two_models_does_not_warn(restore_chip):
                     opt.zero_grad()
                     head(x).pow(2).sum().backward()
                     opt.step()
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "compiled"])
+def test_linear_read_noise_has_the_physics_variance(restore_chip, graph):
+    """nn.Linear on a noisy chip, eager and torch.compile'd: its outputs spread over fresh reads as
+    the physics says (sum of x^2 times the cells' read variances); a sigma wired wrong fails."""
+    import numpy as np
+
+    import sidra_core
+    from noise_stats import NOISY_INT8, assert_read_variance, read_variance
+
+    spec = sidra_core.preset("int8", **NOISY_INT8)
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(300, 200, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(200, 300, generator=g))
+    x = torch.randn(8, 300, generator=g)
+    with sidra_torch.use_chip(spec), torch.no_grad():
+        model = lin.to(D)
+        run = torch.compile(model, backend="sidra") if graph else model
+        xd = x.to(D)
+        reads = np.stack([run(xd).cpu().numpy().astype(np.float64) for _ in range(60)])
+    assert_read_variance(reads, read_variance(lin.weight.detach().cpu().numpy().T, x.numpy(), spec))

@@ -7,7 +7,7 @@ import pytest
 
 from conftest_torch import DEV, SENTENCES, Delta, ideal, max_abs_diff, restore_chip  # noqa: F401
 
-transformers = pytest.importorskip("transformers")
+import transformers
 pytest.register_assert_rewrite("hf_local")
 from hf_local import PROMPTS, SOURCES  # noqa: E402
 
