@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import sidra_torch
+
 from conftest_torch import D, DEV, Delta, assert_close, ideal, restore_chip, y1  # noqa: F401
 
 
@@ -123,25 +125,32 @@ def test_retain_grad_and_hooks(ideal):
 
 
 def test_backward_on_the_noisy_chip(y1):
-    torch.manual_seed(0)
-    cpu = _cnn_eval()
-    dev = copy.deepcopy(cpu).to(D)
-    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
-    loss = F.cross_entropy(dev(x.to(D)), y.to(D))
-    assert torch.isfinite(loss.cpu())
-    with Delta() as d:
-        loss.backward()
-    assert d["fallback_ops"] > 0 and d["cells_programmed"] == 0
-    F.cross_entropy(cpu(x), y).backward()
-    for (name, pd), pc in zip(dev.named_parameters(), cpu.parameters()):
-        assert pd.grad is not None and pd.grad.device == DEV, name
-        assert torch.isfinite(pd.grad.cpu()).all(), name
-        # straight-through gradients of the analog forward: correlated with the exact ones
-        cos = F.cosine_similarity(pd.grad.cpu().flatten(), pc.grad.flatten(), dim=0)
-        assert cos > 0.6, (name, cos)
-    g_dev = torch.cat([p.grad.cpu().flatten() for p in dev.parameters()])
-    g_cpu = torch.cat([p.grad.flatten() for p in cpu.parameters()])
-    assert F.cosine_similarity(g_dev, g_cpu, dim=0) > 0.85  # measured ~0.95
+    """Straight-through gradients of the analog forward, correlated with the exact ones. Over chip and
+    data seeds 0-5 the whole gradient's cosine with the CPU's measures 0.955-0.987 (mean 0.976, sd
+    0.012) and each parameter's at least 0.90: three seeds' mean must reach 0.95 (4 sd of that mean
+    below it), each parameter 0.85."""
+    cosines = []
+    for seed in range(3):
+        sidra_torch.manual_seed(seed)
+        cpu = _cnn_eval()
+        dev = copy.deepcopy(cpu).to(D)
+        torch.manual_seed(seed)
+        x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+        loss = F.cross_entropy(dev(x.to(D)), y.to(D))
+        assert torch.isfinite(loss.cpu())
+        with Delta() as d:
+            loss.backward()
+        assert d["fallback_ops"] > 0 and d["cells_programmed"] == 0
+        F.cross_entropy(cpu(x), y).backward()
+        for (name, pd), pc in zip(dev.named_parameters(), cpu.parameters()):
+            assert pd.grad is not None and pd.grad.device == DEV, name
+            assert torch.isfinite(pd.grad.cpu()).all(), name
+            cos = F.cosine_similarity(pd.grad.cpu().flatten(), pc.grad.flatten(), dim=0)
+            assert cos > 0.85, (seed, name, cos)
+        g_dev = torch.cat([p.grad.cpu().flatten() for p in dev.parameters()])
+        g_cpu = torch.cat([p.grad.flatten() for p in cpu.parameters()])
+        cosines.append(F.cosine_similarity(g_dev, g_cpu, dim=0).item())
+    assert sum(cosines) / 3 > 0.95, cosines
 
 
 # ---------------------------------------------------------------------------

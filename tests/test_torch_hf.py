@@ -229,6 +229,8 @@ def test_minilm_on_y1_is_noisy_but_close(minilm_y1):
 
 def test_minilm_on_y1_keeps_sentence_embeddings(minilm_y1):
     _, _, cos, _ = minilm_y1
-    # The mean over sentences of one read varies with its noise draw by ~0.0007 (measured 0.9798-0.9819
-    # over seeds 0-5): the criterion is taken over three reads. Measured 0.9810 (seeds 0-2).
-    assert cos.mean().item() >= 0.98, cos.mean(-1).tolist()
+    # The mean over sentences and three reads measures 0.9798-0.9819 over chip seeds 0-5 (mean 0.981,
+    # sd 0.0008): the bound sits 5 sd below the mean, so no seed fails it and a model whose noise
+    # costs the embeddings a few tenths of a percent more does (the read noise's own variance is
+    # checked against the physics in test_torch_dispatch / test_jax_transform).
+    assert cos.mean().item() >= 0.977, cos.mean(-1).tolist()
