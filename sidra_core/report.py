@@ -74,10 +74,11 @@ SORT_KEYS = {
 class KeyAverages(list):
     """A list of OpStats with torch.profiler's `table()`; totals over all records."""
 
-    def __init__(self, stats, total: Cost, host_s: float):
+    def __init__(self, stats, total: Cost, host_s: float, compiles=None):
         super().__init__(stats)
         self.total = total
         self.host_s = host_s
+        self.compiles = compiles  # sidra_core.compiles.Compiles of the profile, if it recorded them
 
     def table(self, sort_by: str = "device_time_total", row_limit: int = -1, **_ignored) -> str:
         if sort_by not in SORT_KEYS:
@@ -85,10 +86,10 @@ class KeyAverages(list):
         rows = sorted(self, key=SORT_KEYS[sort_by], reverse=True)
         if row_limit is not None and row_limit >= 0:
             rows = rows[:row_limit]
-        return render_table(rows, self.total, self.host_s)
+        return render_table(rows, self.total, self.host_s, self.compiles)
 
 
-def key_averages(records) -> KeyAverages:
+def key_averages(records, compiles=None) -> KeyAverages:
     by_name: dict[str, OpStats] = {}
     total, host = ZERO, 0.0
     for r in records:
@@ -105,7 +106,7 @@ def key_averages(records) -> KeyAverages:
             host += r.host_s
     for s in by_name.values():
         s.where = "/".join(w for w in WHERE if w in s.places) or "/".join(sorted(s.places))
-    return KeyAverages(by_name.values(), total, host)
+    return KeyAverages(by_name.values(), total, host, compiles)
 
 
 def _fmt_time(s: float) -> str:
@@ -131,8 +132,9 @@ def _fmt_bytes(b: int) -> str:
     return f"{b}B"
 
 
-def render_table(rows, total: Cost, host_s: float) -> str:
-    """The profiler table as text: one row per op name, then device totals and the energy breakdown."""
+def render_table(rows, total: Cost, host_s: float, compiles=None) -> str:
+    """The profiler table as text: one row per op name, then device totals, the energy breakdown and
+    the host's program builds (new shapes compile new kernels)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -154,6 +156,8 @@ def render_table(rows, total: Cost, host_s: float) -> str:
                   f"Host simulation time: {_fmt_time(host_s)}")
     parts = "  ".join(f"{c}={_fmt_energy(getattr(total, c))}" for c in COMPONENTS if getattr(total, c) > 0)
     console.print(f"Energy by component: {parts or 'none'}")
+    if compiles is not None:
+        console.print(compiles.summary())
     return buf.getvalue()
 
 

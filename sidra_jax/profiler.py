@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 
+from sidra_core import compiles as _compiles
 from sidra_core.cost import Cost
 from sidra_core.report import OpRecord, key_averages, write_chrome_trace
 
@@ -34,13 +35,17 @@ class profile:
         self.records: list[OpRecord] = []
         self.ranges: list[OpRecord] = []
         self.host_s = 0.0
+        self._recording = _compiles.record()
+        self.compiles: _compiles.Compiles | None = None  # the programs the host built meanwhile
 
     def __enter__(self):
         with _LOCK:
             _ACTIVE.append(self)
+        self.compiles = self._recording.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._recording.__exit__(*exc)
         with _LOCK:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
@@ -53,7 +58,7 @@ class profile:
 
     def key_averages(self):
         """Rows per op name and per function call, with `.table(sort_by=..., row_limit=...)`."""
-        ka = key_averages(self.records + self.ranges)
+        ka = key_averages(self.records + self.ranges, self.compiles)
         ka.host_s = self.host_s
         return ka
 

@@ -30,6 +30,7 @@ import torch.autograd.profiler as _autograd_profiler
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
+from sidra_core import compiles as _compiles
 from sidra_core.cost import Cost
 from sidra_core.report import OpRecord, key_averages, write_chrome_trace
 
@@ -54,6 +55,8 @@ class profile:
         self._record_ranges = record_ranges
         self._stack: list = []
         self._saved = None
+        self._recording = _compiles.record()
+        self.compiles: _compiles.Compiles | None = None  # the programs the host built meanwhile
 
     # -- recording ----------------------------------------------------------
 
@@ -114,9 +117,11 @@ class profile:
 
         _autograd_profiler.record_function.__enter__ = rf_enter
         _autograd_profiler.record_function.__exit__ = rf_exit
+        self.compiles = self._recording.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._recording.__exit__(*exc)
         _t.observer = None
         _autograd_profiler.record_function.__enter__, _autograd_profiler.record_function.__exit__ = self._saved
         return False
@@ -125,7 +130,7 @@ class profile:
 
     def key_averages(self):
         """Rows per op name (and per user range), with `.table(sort_by=..., row_limit=...)`."""
-        return key_averages(self.records + self.ranges)
+        return key_averages(self.records + self.ranges, self.compiles)
 
     @property
     def total(self) -> Cost:

@@ -1,0 +1,37 @@
+"""benchmarks/bench_shapes.py: the any-shape workload is what the issue describes, and one child
+process's pass runs and counts the programs it builds."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_shapes.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_shapes", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_workload_is_40_sentences_of_26_lengths_in_batches_of_1_to_32(bench):
+    lengths = bench.sentence_lengths()
+    assert len(lengths) == 40 and len(set(lengths)) == 26 and min(lengths) >= 5 and max(lengths) <= 60
+    groups = bench.batches(lengths)
+    assert [n for g in groups for n in g] == lengths and all(1 <= len(g) <= 32 for g in groups)
+    ids, mask = bench._inputs([[3, 7]], vocab=2000)[0]
+    assert ids.shape == (2, 7) and mask.sum(1).tolist() == [3, 7]
+
+
+@pytest.mark.slow  # loads and programs MiniLM
+def test_a_pass_on_the_device_counts_its_programs(bench, monkeypatch):
+    monkeypatch.setattr(bench, "sentence_lengths", lambda: [5, 9, 5])
+    out = bench.child("sentences", "sidra", 2)
+    assert out["calls"] == 3 and out["shapes"] == 2 and len(out["times"]) == 2
+    assert sum(out["built"][0].values()) > 0  # new shapes build programs ...
+    assert sum(out["built"][1].values()) == 0  # ... the same shapes again build none
