@@ -81,7 +81,7 @@ def child(workload: str, device: str, passes: int) -> dict:
         model = model.to("sidra:0")
         inputs = [(ids.to("sidra:0"), mask.to("sidra:0")) for ids, mask in inputs]
         sidra_torch.current_chip()  # y1
-    times, built = [], []
+    times, built, phases = [], [], []
     with torch.inference_mode():
         for _ in range(passes):
             with compiles.record() as log:
@@ -90,8 +90,9 @@ def child(workload: str, device: str, passes: int) -> dict:
                     model(input_ids=ids, attention_mask=mask)
                 times.append(time.perf_counter() - t0)
             built.append(dict(log.programs))
+            phases.append(log.summary())
     shapes = len({(len(group), max(group)) for group in groups})
-    return {"times": times, "built": built, "shapes": shapes, "calls": len(groups)}
+    return {"times": times, "built": built, "phases": phases, "shapes": shapes, "calls": len(groups)}
 
 
 def _run_child(workload: str, device: str, passes: int, cache: str) -> dict:
@@ -124,6 +125,8 @@ def main() -> None:
         print(f"  first/second pass: {first / second:.2f}x empty cache (target <= 3x), "
               f"{warm['times'][0] / second:.2f}x warm (target <= 1.5x); second pass / CPU "
               f"{second / cpu['times'][1]:.2f}x (target <= 3x)")
+        print(f"  first pass, empty cache: {cold['phases'][0]}")
+        print(f"  first pass, warm cache:  {warm['phases'][0]}")
         built = cold["built"][0]
         print(f"  programs built in the first pass: {sum(built.values())}; the kernels built most often "
               f"(against {cold['shapes']} shapes):")
