@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -22,10 +23,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
 def sentence_lengths(n: int = 40, distinct: int = 26, seed: int = 0) -> list[int]:
     """`n` sentence lengths in [5, 60] with `distinct` distinct values, in a shuffled order."""
-    import random
-
     rs = random.Random(seed)
     values = sorted(rs.sample(range(5, 61), distinct))
     out = values + [rs.choice(values) for _ in range(n - distinct)]
@@ -35,8 +35,6 @@ def sentence_lengths(n: int = 40, distinct: int = 26, seed: int = 0) -> list[int
 
 def batches(lengths: list[int], seed: int = 1) -> list[list[int]]:
     """The same sentences in batches of 1-32 (the last one takes what is left)."""
-    import random
-
     rs = random.Random(seed)
     out, i = [], 0
     while i < len(lengths):
