@@ -415,14 +415,16 @@ class Snapshot:
     """The array as a read sees it at one device time, in code units, laid out per tile.
 
     `w` holds each tile's (G+ - G-)/dG including drift and IR drop, (rows, N)
-    per tile, in float32, or, when the DAC makes every input an INT8 code, in
-    int8: exactly (INT8 codes without drift) or as a (whole, fraction) pair
-    side by side, (rows, 2N) (see `_device_tiles`); one array per tile, as
+    per tile, in float32, or, when the DAC makes every input an INT8 code, as
+    integers (int8, or float32 where int8 dots are slow): exactly (INT8 codes
+    without drift) or as a (whole, fraction) pair side by side, (rows, 2N) (see
+    `_device_tiles`); one array per tile, as
     XLA:CPU copies a slice of a stacked array before each matmul (~20 % of an
     MVM), or for a narrow weight one block-diagonal array of all tiles (see
     _NARROW), or all tiles packed in one array for the VNNI kernel (`shape.packed`,
     with `corr` its column corrections; see sidra_core.vnni); `var` the per-cell
-    read-noise variance in the same units, `lsb` the ADC step of each tile column,
+    read-noise variance in the same units (for INT8 codes, integer levels of the
+    step `var_scale`: see `variances`), `lsb` the ADC step of each tile column,
     `gain` the drift-compensation gain per tile column, `scale` the weight scale
     per output column.
     """
@@ -434,6 +436,17 @@ class Snapshot:
     scale: jax.Array
     shape: _Shape
     corr: jax.Array | None = None
+    var_scale: jax.Array | None = None  # the step of `var`'s integer levels per tile column, if any
+
+    def variances(self) -> jax.Array:
+        """The read-noise variances in code units as float32, (grid_k, rows, N)."""
+        if self.shape.packed:
+            raise ValueError("a packed snapshot holds its variances in the VNNI kernel's layout")
+        var = self.tiles([v.astype(jnp.float32) for v in self.var])
+        if self.var_scale is None:
+            return var
+        step = self.var_scale.reshape(-1, self.shape.n) if self.shape.narrow else self.var_scale
+        return var * step[:, None, :]
 
     def weights(self) -> jax.Array:
         """The array's weights in code units as float32, (grid_k, rows, N)."""
@@ -450,14 +463,15 @@ class Snapshot:
 
     def lhs(self, x):
         """The DAC codes (integer-valued float32) as the partial-sum matmuls take them."""
-        return x.astype(jnp.int8) if self.shape.terms else x
+        return x.astype(jnp.int8) if self.w[0].dtype == jnp.int8 else x
 
     def partial_sums(self, x, tile: int, used: int):
         """Analog partial sums x @ w in float32 of one tile, x: `lhs` codes (rows, used) for its
         first `used` word lines."""
         w = self.w[tile][:used]
-        if not self.shape.terms:
-            return jnp.matmul(x, w)
+        if w.dtype != jnp.int8:  # float32 weights: integers (exact sums) if shape.terms, else any
+            q = jnp.matmul(x, w)
+            return _join(q) if self.shape.terms == 2 else q
         # INT8 x INT8 products summed in int32 are exact (256 rows x 127 x 127 < 2^31), and
         # with AMX XLA:CPU's int8 dot is the fastest it has: 1.4-1.8x its bfloat16 dot, 4-7x
         # its float32 one. A (whole, fraction) pair is one dot over both halves side by side.
@@ -497,16 +511,17 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     grid = state.grid
     n = spec.noise
     drift = spec.drifts
-    # INT8 DAC codes against weights in code units (|w| <= 127: G+ and G- stay in the window),
-    # held as int8 where the host's int8 dot is its fastest (host.LOW_PRECISION_DOTS), else float32
+    # INT8 DAC codes against weights in code units (|w| <= 127: G+ and G- stay in the window):
+    # (whole, fraction) integer pairs, whose partial sums are exact integers in any summation order,
+    # so a row's result does not depend on the rows read with it (padding, batching); held as int8
+    # where the host's int8 dot is its fastest (host.LOW_PRECISION_DOTS), else as float32 integers
     codes = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and state.target_w is None
     packed = codes and host.vnni_dots()
-    split = codes and (host.LOW_PRECISION_DOTS or packed)
     read = _Read(
         grid=grid, drift=drift, ir_drop=float(n.ir_drop), g_max=float(spec.tile.g_max),
         dg=1.0 if state.target_w is not None else (spec.tile.g_max - spec.tile.g_min) / QMAX,
-        read_sigma=float(n.read_sigma), compensate=bool(n.drift_compensation), split=split,
-        var_dtype=host.narrow_float(),
+        read_sigma=float(n.read_sigma), compensate=bool(n.drift_compensation), split=codes,
+        int_dots=host.LOW_PRECISION_DOTS or packed, var_dtype=host.narrow_float(),
         # (float inputs stay per tile: the ideal chip's results keep their float32 rounding)
         narrow=codes and 1 < grid.grid_k and grid.grid_k * grid.n <= _NARROW,
     )
@@ -518,11 +533,11 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         history = (state.nu_plus, state.nu_minus) + (
             (np.float32(state.t_latest),) * 2 if state.written_at_once else (state.t_prog_plus, state.t_prog_minus))
     args = (state.g_plus, state.g_minus, history, state.ref_norm, np.float32(t_now), np.float32(n.drift_t0))
-    w, corr, var, gain, has_fraction = _read_array(*args, read)
-    terms = 0 if not split else 2 if bool(has_fraction) else 1
+    w, corr, var, var_scale, gain, has_fraction = _read_array(*args, read)
+    terms = 0 if not codes else 2 if bool(has_fraction) else 1
     if read.packed and terms == 1:
         read = dataclasses.replace(read, packed=1)
-        w, corr, var, gain, _ = _read_array(*args, read)
+        w, corr, var, var_scale, gain, _ = _read_array(*args, read)
     elif not read.packed:
         w = w[1] if terms == 2 else w[0]  # (whole, pair)
     lsb = None
@@ -531,6 +546,7 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     return Snapshot(
         w=w, var=var, lsb=None if lsb is None else jnp.asarray(lsb), gain=gain, scale=jnp.asarray(state.scale),
         shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, read.narrow, bool(read.packed)), corr=corr,
+        var_scale=var_scale,
     )
 
 
@@ -546,6 +562,7 @@ class _Read:
     read_sigma: float
     compensate: bool
     split: bool
+    int_dots: bool
     var_dtype: str
     narrow: bool
     packed: int = 0  # terms of the VNNI kernel's packed tiles (sidra_core.vnni.pack), 0: not packed
@@ -575,14 +592,19 @@ def _read_array(gp, gm, history, ref_norm, now, t0, read: _Read):
         now_norm = _tile_norms(gp, gm, grid)
         per_tile = jnp.where(now_norm > 0, ref_norm / now_norm, 1.0)
         gain = jnp.repeat(per_tile, grid.cols, axis=1)[:, :n]
+    var_scale = None
+    if var is not None and read.split and not read.packed:  # integer levels: see _variance
+        var, var_scale = _variance_levels(var)
     if read.narrow:
         w = _block_diagonal(w)[None]
         var = None if var is None else _block_diagonal(var)[None]
-    whole, pair, var, has_fraction = _device_tiles(w, None if var is None else var.astype(read.var_dtype), read.split)
+        var_scale = None if var_scale is None else var_scale.reshape(1, -1)
+    whole, pair, var, has_fraction = _device_tiles(w, None if var is None else var.astype(read.var_dtype), read.split,
+                                                   read.int_dots)
     if read.packed:
         wp, corr, sp = vnni.pack(pair if read.packed == 2 else whole, var, k=grid.k, terms=read.packed)
-        return (wp,), corr, None if var is None else (sp,), gain, has_fraction
-    return (whole, pair), None, var, gain, has_fraction
+        return (wp,), corr, None if var is None else (sp,), None, gain, has_fraction
+    return (whole, pair), None, var, var_scale, gain, has_fraction
 
 
 # DAC codes of up to 8 signed bits (|code| <= 127) are int8 values.
@@ -614,22 +636,41 @@ def _block_diagonal(a):
     return out
 
 
-@partial(jax.jit, static_argnames=("split",))
-def _device_tiles(w, var, split: bool):
+@partial(jax.jit, static_argnames=("split", "int_dots"))
+def _device_tiles(w, var, split: bool, int_dots: bool):
     """One device array per tile of the weights (grid_k, rows, N) and variances.
 
-    With `split` (every input is an INT8 DAC code, w is in code units) the weights are int8: the
-    whole codes (`whole`) if they hold w exactly (INT8 codes without drift or IR drop;
-    `has_fraction` false), else the whole codes and the rest in steps of 1/254 side by side,
-    (rows, 2N), which hold w to 1/508 of a code (programming lands within +-1.3 codes on y1).
+    With `split` (every input is an INT8 DAC code, w is in code units) the weights are integers
+    of int8 range: the whole codes (`whole`) if they hold w exactly (INT8 codes without drift or
+    IR drop; `has_fraction` false), else the whole codes and the rest in steps of 1/254 side by
+    side, (rows, 2N), which hold w to 1/508 of a code (programming lands within +-1.3 codes on
+    y1); as int8 for the host's int8 dots (`int_dots`), else as float32 (exact sums either way).
     """
     var = None if var is None else tuple(var)
     if not split:
         return tuple(w), None, var, False
     whole = jnp.clip(jnp.round(w), -QMAX, QMAX)
     fraction = jnp.round((w - whole) * _FRACTION_STEPS)
-    pair = jnp.concatenate([whole, fraction], axis=-1).astype(jnp.int8)
-    return tuple(whole.astype(jnp.int8)), tuple(pair), var, jnp.any(fraction != 0)
+    dt = jnp.int8 if int_dots else jnp.float32
+    pair = jnp.concatenate([whole, fraction], axis=-1).astype(dt)
+    return tuple(whole.astype(dt)), tuple(pair), var, jnp.any(fraction != 0)
+
+
+# Read-noise variances of an INT8-code read as integer levels 0.._VAR_LEVELS of a per tile column
+# step: with x^2 split in two 7-bit halves, every product and sum of the variance dot is an integer
+# below 2^24, exact in float32 (and the operands in bfloat16) in any order. Rounding is dithered
+# (a fixed uniform offset per cell): many cells share one variance (both at G_min), and rounding
+# them all the same way would bias a column's sum; dithered, a column's error is random, ~0.3 %.
+_VAR_LEVELS = 255.0
+_DITHER_SEED = 0x5EED
+
+
+def _variance_levels(var):
+    """(levels, step): var ~= levels * step, levels integers in [0, 255], step per tile column."""
+    step = jnp.max(var, axis=-2, keepdims=True) / _VAR_LEVELS
+    step = jnp.where(step > 0, step, 1.0)
+    u = rng.uniform(jnp.uint32(_DITHER_SEED), lax.iota(jnp.uint32, var.size).reshape(var.shape))
+    return jnp.minimum(jnp.floor(var / step + u), _VAR_LEVELS), step[..., 0, :]
 
 
 # ---------------------------------------------------------------------------
@@ -645,24 +686,47 @@ def _adc(p, lsb, gain, qmax: float):
     return p
 
 
-def _variance(x, var):
-    """Read-noise variance of each partial sum, sum_i x_i^2 sigma_i^2. It only sets the noise
-    amplitude: bf16 operands (x^2 and sigma^2 to 0.4 %) with an fp32 accumulator give the std
-    to ~0.1 %, at 2.5x the speed where bf16 dots are fast (host.narrow_float)."""
-    return jnp.matmul((x * x).astype(var.dtype), var, preferred_element_type=jnp.float32)
+def _variance(x, var, step=None):
+    """Read-noise variance of each partial sum, sum_i x_i^2 sigma_i^2. With `step` (INT8 codes x,
+    var in levels: _variance_levels) the sums are exact integers: x^2 < 2^14 goes in as two 7-bit
+    halves (2x the rows), both exact in bfloat16, whose dots are fast where host.narrow_float
+    picks them. Else float operands: it only sets the noise amplitude."""
+    x2 = x * x
+    if step is None:
+        return jnp.matmul(x2.astype(var.dtype), var, preferred_element_type=jnp.float32)
+    hi = jnp.floor(x2 * (1 / 128))
+    halves = jnp.concatenate([hi, x2 - 128 * hi]).astype(var.dtype)
+    s = jnp.matmul(halves, var, preferred_element_type=jnp.float32)
+    r = x.shape[0]
+    return (s[:r] * 128 + s[r:]) * step
 
 
-def _read_normals(seed, rows: int, n: int, tile: int, alone: bool):
+def _normals_stride(n: int, grid_k: int) -> tuple[int, int]:
+    """(per-pair width, per-row stride) of the read-noise counters of an N-column weight of grid_k
+    tiles: each row owns a block of counters, so a row's draws do not depend on how many rows
+    are read with it (padding to a bucket, or a batch, never shifts them)."""
+    width = max(n, -(-n // 32) * 16)
+    return width, -(-grid_k // 2) * width
+
+
+def _read_normals(seed, rows: int, n: int, tile: int, alone: bool, grid_k: int):
     """The read noise's normals for tile pair (tile, tile + 1), each (rows, n): one Box-Muller pair
-    per (tile pair, row, column), counters row-major (each read draws fresh normals); the pair's
-    two tiles share its log and sqrt. An unpaired last tile (`alone`) uses both normals itself:
-    one pair per (row, 32-column block, lane), z0 for the block's first 16 columns, z1 the next."""
-    base = jnp.uint32(tile // 2 * rows * n)
+    per (tile pair, row, column), counter row * stride + pair * width + column (each read draws
+    fresh normals; see _normals_stride); the pair's two tiles share its log and sqrt. An unpaired
+    last tile (`alone`) uses both normals itself: one pair per (row, 32-column block, lane),
+    counter row * stride + pair * width + block * 16 + lane, z0 for the block's first 16 columns,
+    z1 the next."""
+    width, stride = _normals_stride(n, grid_k)
+    row = lax.iota(jnp.uint32, rows)[:, None] * jnp.uint32(stride) + jnp.uint32(tile // 2 * width)
     if not alone:
-        return rng.box_muller(seed, lax.iota(jnp.uint32, rows * n).reshape(rows, n) + base)
+        return rng.box_muller(seed, row + lax.iota(jnp.uint32, n)[None, :])
     blocks = -(-n // 32)
-    z0, z1 = rng.box_muller(seed, lax.iota(jnp.uint32, rows * blocks * 16).reshape(rows, blocks, 16) + base)
+    z0, z1 = rng.box_muller(seed, row[:, :, None] + lax.iota(jnp.uint32, blocks * 16).reshape(1, blocks, 16))
     return jnp.stack([z0, z1], axis=2).reshape(rows, blocks * 32)[:, :n], None
+
+
+def _step(snap: Snapshot, tile: int):
+    return None if snap.var_scale is None else snap.var_scale[tile]
 
 
 def _read_tiles(snap: Snapshot, x2, seed, qmax: float):
@@ -673,7 +737,7 @@ def _read_tiles(snap: Snapshot, x2, seed, qmax: float):
     if s.narrow:  # every tile's partial sums and noise variances from one block-diagonal matmul each
         xp = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
         p_all = snap.partial_sums(snap.lhs(xp), 0, grid_k * s.rows)
-        v_all = None if snap.var is None else _variance(xp, snap.var[0])
+        v_all = None if snap.var is None else _variance(xp, snap.var[0], _step(snap, 0))
     # One tile after another (unrolled; XLA:CPU's batched matmul is ~2x slower than separate
     # ones), so each tile's partial sums, noise, ADC and accumulation form one chain with a single
     # consumer, which XLA fuses into one pass instead of materialising every tile's noisy sums
@@ -692,9 +756,9 @@ def _read_tiles(snap: Snapshot, x2, seed, qmax: float):
         else:
             p = snap.partial_sums(xl[:, i * s.rows:i * s.rows + used], i, used)
         if snap.var is not None:
-            var = v_all[:, cols] if s.narrow else _variance(xi, snap.var[i][:used])
+            var = v_all[:, cols] if s.narrow else _variance(xi, snap.var[i][:used], _step(snap, i))
             if i % 2 == 0:
-                z = _read_normals(seed, rows, n_pad, i, alone=i + 1 == grid_k)
+                z = _read_normals(seed, rows, n_pad, i, alone=i + 1 == grid_k, grid_k=grid_k)
             p = p + jnp.sqrt(var) * z[i % 2]
         p = _adc(p, None if snap.lsb is None else snap.lsb[i], None if snap.gain is None else snap.gain[i], qmax)
         y = p if y is None else y + p  # digital accumulation of the tiles

@@ -13,9 +13,11 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from . import cost, crossbar, engine, rng
+from . import buckets, cost, crossbar, engine, rng
 from .conv import conv as conv_kernel
 from .conv import conv_args, output_positions
 from .clock import DeviceClock
@@ -199,44 +201,67 @@ class Chip:
         return nu_max * math.log(new_age / old_age) > _DRIFT_REUSE_TOL
 
     def linear(self, res: Resident, x, bias=None):
-        """y = x @ W (+ bias) on the crossbar, x: (..., K); charges the MVM."""
+        """y = x @ W (+ bias) on the crossbar, x: (..., K); charges the MVM. Runs at the row bucket
+        (sidra_core.buckets) of x's rows; priced for its real rows."""
         k, n = res.shape
-        rows = int(np.prod(np.shape(x)[:-1], dtype=np.int64))
+        lead = np.shape(x)[:-1]
+        rows = int(np.prod(lead, dtype=np.int64))
+        if bias is not None and np.ndim(bias) > 1:  # a bias per row: padded with the rows
+            bias = buckets.pad(buckets.xp(bias).broadcast_to(bias, (*lead, n)), shape=(rows, n))
         snap = self.snapshot(res)
-        y = crossbar.mvm(snap, x, np.uint32(self.next_seed()), bias, **crossbar.mvm_kwargs(self.spec))
+        y = crossbar.mvm(snap, buckets.pad(x, shape=(rows, k)), np.uint32(self.next_seed()), bias, **crossbar.mvm_kwargs(self.spec))
         self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
-        return y
+        return buckets.take(y, (rows, n), (*lead, n))
 
     def conv(self, res: Resident, x, w_shape, bias=None, stride=1, padding=0, dilation=1):
-        """N-d convolution of x (N, C_in, *spatial) with a programmed conv weight."""
+        """N-d convolution of x (N, C_in, *spatial) with a programmed conv weight, at the bucket of N."""
         args = conv_args(w_shape, stride, padding, dilation)
-        y = conv_kernel(self.snapshot(res), x, np.uint32(self.next_seed()), bias, **args,
+        shape = np.shape(x)
+        y = conv_kernel(self.snapshot(res), buckets.pad(x), np.uint32(self.next_seed()), bias, **args,
                         **crossbar.mvm_kwargs(self.spec))
-        rows = int(np.shape(x)[0]) * output_positions(np.shape(x), w_shape, stride, padding, dilation)
+        rows = int(shape[0]) * output_positions(shape, w_shape, stride, padding, dilation)
         k, n = res.shape
         self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
-        return y
+        return buckets.take(y, (shape[0], *y.shape[1:]))
 
     # -- compute engine -------------------------------------------------------
 
     def engine(self, op: str, x, **kwargs):
-        """An element-wise or normalising op on the compute engine; charges it."""
+        """An element-wise or normalising op on the compute engine, at the bucket of its rows
+        (element-wise: of its elements); charges it for its real size."""
         p = self.spec.engine.precision
         if op in engine.ELEMENTWISE:
-            y = engine.ELEMENTWISE[op](x, precision=p)
-        elif op in ("softmax", "log_softmax", "layer_norm", "rms_norm", "batch_norm"):
-            y = getattr(engine, op)(x, precision=p, **kwargs)
+            y = _by_rows(engine.ELEMENTWISE[op], x, 0, precision=p)
+        elif op in ("softmax", "log_softmax"):
+            axis, m = kwargs.pop("axis", -1), buckets.xp(x)
+            y = _by_rows(getattr(engine, op), m.moveaxis(m.asarray(x), axis, -1), 1, precision=p, **kwargs)
+            y = m.moveaxis(m.asarray(y), -1, axis)
+            y = y if m is jnp else buckets.put(y)
+        elif op in ("layer_norm", "rms_norm"):
+            y = _by_rows(getattr(engine, op), x, kwargs.get("ndim", 1), precision=p, **kwargs)
+        elif op == "batch_norm":  # channels on axis 1: the batch is the rows
+            y = _by_rows(engine.batch_norm, x, np.ndim(x) - 1, precision=p, **kwargs)
         else:
             raise ValueError(f"the compute engine has no op {op!r}")
         self.clock.charge(cost.engine(op, int(np.size(x)), self.spec), engine_ops=1)
         return y
 
     def matmul(self, a, b):
-        """Activation x activation matmul (attention) on the engine's INT8 MACs."""
-        y = engine.matmul(a, b, mode=self.spec.engine.matmul)
+        """Activation x activation matmul (attention) on the engine's INT8 MACs, at the buckets of
+        its batch, M and N (each row of a and column of b is quantised on its own)."""
         *batch, m, kk = np.shape(a)
         n = np.shape(b)[-1]
-        nb = int(np.prod(np.broadcast_shapes(tuple(batch), tuple(np.shape(b)[:-2])), dtype=np.int64))
+        lead = np.broadcast_shapes(tuple(batch), tuple(np.shape(b)[:-2]))
+        nb = int(np.prod(lead, dtype=np.int64))
+        mode = self.spec.engine.matmul
+        if np.ndim(b) == 2:  # one right operand: a's batch joins its rows
+            y = engine.matmul(buckets.pad(a, shape=(nb * m, kk)), buckets.pad(b, axes=(1,)), mode=mode)
+            y = buckets.take(y, (nb * m, n), (*lead, m, n))
+        else:
+            xa, xb = buckets.xp(a), buckets.xp(b)
+            ap = buckets.pad(xa.broadcast_to(a, (*lead, m, kk)), axes=(0, 1), shape=(nb, m, kk))
+            bp = buckets.pad(xb.broadcast_to(b, (*lead, kk, n)), axes=(0, 2), shape=(nb, kk, n))
+            y = buckets.take(engine.matmul(ap, bp, mode=mode), (nb, m, n), (*lead, m, n))
         self.clock.charge(cost.engine_matmul(nb, m, kk, n, self.spec), engine_ops=1)
         return y
 
@@ -273,3 +298,17 @@ class Chip:
     def advance(self, seconds: float) -> float:
         """Jump the device clock (drift studies): an hour, a day, a year after programming."""
         return self.clock.advance(seconds)
+
+
+def _by_rows(fn, x, trailing: int, **kwargs):
+    """fn over x's rows (its last `trailing` axes are a row), run at the bucket of the row count;
+    each of fn's outputs (one array or a tuple) is cut back to x's leading shape."""
+    shape = np.shape(x)
+    lead, row = shape[:len(shape) - trailing], shape[len(shape) - trailing:]
+    rows = int(np.prod(lead, dtype=np.int64))
+    out = fn(buckets.pad(x, shape=(rows, *row)), **kwargs)
+
+    def cut(o):
+        return buckets.take(o, (rows, *o.shape[1:]), (*lead, *o.shape[1:]))
+
+    return tuple(cut(o) for o in out) if isinstance(out, tuple) else cut(out)

@@ -105,6 +105,14 @@ def available() -> bool:
     return True
 
 
+def _call(target, shapes):
+    """jax.ffi.ffi_call of one of the kernels, which must run here (available(): built and registered)."""
+    if not available():
+        raise RuntimeError(f"the VNNI kernel {target} does not run on this host (sidra_core.vnni.available() "
+                           "is False): it needs Linux, AVX-512 VNNI and BF16, and a C++ compiler")
+    return jax.ffi.ffi_call(target, shapes)
+
+
 def pack(w, var, k: int, terms: int):
     """Per-tile weights (a sequence of grid_k (256, terms N) arrays) int8 (whole codes [| fractions]) and variances
     (grid_k of (256, N)) or None -> the kernel's layouts: int8 (grid_k, NV, terms, 64, 16, 4), the
@@ -118,7 +126,7 @@ def pack(w, var, k: int, terms: int):
     shapes = (jax.ShapeDtypeStruct((gk, nv, terms, rows // 4, LANES, 4), jnp.int8),
               jax.ShapeDtypeStruct((gk, nv, terms, LANES), jnp.int32),
               jax.ShapeDtypeStruct((gk, nv, rows // 2, LANES, 2) if noise else (0,), jnp.bfloat16))
-    wp, corr, sp = jax.ffi.ffi_call(PACK_TARGET, shapes)(
+    wp, corr, sp = _call(PACK_TARGET, shapes)(
         w, s, k=np.int64(k), terms=np.int64(terms), noise=np.int64(noise))
     return wp, corr, (sp if noise else None)
 
@@ -148,7 +156,7 @@ def tile_dots(codes, wp, corr, sp, *, k: int, n: int):
     noise = sp is not None
     xu, x2, sv = _operands(codes, wp, sp, k)
     out = jax.ShapeDtypeStruct((gk, codes.shape[0], n), jnp.float32)
-    p, v = jax.ffi.ffi_call(TARGET, (out, out))(
+    p, v = _call(TARGET, (out, out))(
         xu, x2, wp, corr, sv, k=np.int64(k), n=np.int64(n), terms=np.int64(terms), noise=np.int64(noise))
     return p, (v if noise else None)
 
@@ -164,7 +172,7 @@ def mvm(x, wp, corr, sp, lsb, gain, scale, bias, seed, *, k: int, n: int, qmax: 
     noise = sp is not None
     empty = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(MVM_TARGET, out)(
+    return _call(MVM_TARGET, out)(
         x, wp, corr, sp if noise else jnp.zeros((0,), jnp.bfloat16), empty if lsb is None else lsb,
         empty if gain is None else gain, scale, empty if bias is None else bias,
         jnp.asarray(0 if seed is None else seed, jnp.uint32), k=np.int64(k), n=np.int64(n), terms=np.int64(terms),
@@ -180,7 +188,7 @@ def engine_matmul(a, b, *, qmax: float = 127.0):
     nb = int(np.prod(batch, dtype=np.int64))
     a3 = jnp.broadcast_to(a, (*batch, m, k)).reshape(nb, m, k)
     b3 = jnp.broadcast_to(b, (*batch, k, n)).reshape(nb, k, n)
-    y = jax.ffi.ffi_call(ENGINE_MATMUL_TARGET, jax.ShapeDtypeStruct((a3.shape[0], m, n), jnp.float32))(
+    y = _call(ENGINE_MATMUL_TARGET, jax.ShapeDtypeStruct((a3.shape[0], m, n), jnp.float32))(
         a3, b3, qmax=np.float32(qmax))
     return y.reshape(*batch, m, n)
 
@@ -200,7 +208,7 @@ def attention(q, k, v, *, scale: float, storage: str, heads_first: bool, qmax: f
         out_shape = (*lead, q.shape[-2], v.shape[-1])
     else:
         out_shape = (*q.shape[:3], v.shape[-1])
-    y = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), jnp.float32))(
+    y = _call(ATTENTION_TARGET, jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), jnp.float32))(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), scale=np.float32(scale),
         heads_first=np.int64(heads_first), format=np.int64(_FORMATS[storage]), qmax=np.float32(qmax))
     return y.reshape(out_shape)

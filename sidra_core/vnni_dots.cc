@@ -390,12 +390,15 @@ void read_item(const Job& j, int64_t item) {
   const __m512 qmax = _mm512_set1_ps(j.qmax), qmin = _mm512_set1_ps(-j.qmax);
   for (int64_t tile = 0; tile < q.grid_k; ++tile) {
     panel_dots(q, tile, v0, row0, nrows, p, noise ? v : nullptr, kW);
-    // counters as the XLA path's: row-major over (rows, N) per tile pair, wrapping in uint32
-    const uint32_t base = static_cast<uint32_t>(tile / 2) * static_cast<uint32_t>(q.rows) * static_cast<uint32_t>(q.n);
-    // an even last tile has no partner: its pairs are drawn per 32-column block instead, z0 for the
-    // first 16 columns and z1 for the next (half the draws), counters row-major over the blocks
-    const bool alone = tile % 2 == 0 && tile + 1 == q.grid_k;
+    // counters as the XLA path's (crossbar._read_normals): row * stride + pair * width + column, in
+    // uint32; a row's own block of counters, so its draws do not depend on the rows read with it
     const int64_t blocks32 = (q.n + 31) / 32;
+    const uint32_t width = static_cast<uint32_t>(std::max<int64_t>(q.n, blocks32 * 16));
+    const uint32_t stride = static_cast<uint32_t>((q.grid_k + 1) / 2) * width;
+    const uint32_t base = static_cast<uint32_t>(tile / 2) * width;
+    // an even last tile has no partner: its pairs are drawn per 32-column block instead, z0 for the
+    // first 16 columns and z1 for the next (half the draws)
+    const bool alone = tile % 2 == 0 && tile + 1 == q.grid_k;
     for (int vec = 0; vec < nvb; ++vec) {
       const int64_t c = col0 + vec * kLanes;
       const __mmask16 m = column_mask(static_cast<int>(q.n - c));
@@ -408,7 +411,7 @@ void read_item(const Job& j, int64_t item) {
           __m512 z;
           if (alone) {  // the pair serves this and the next vector of 16 columns (of one 32-column block)
             if (vec % 2 == 0) {
-              const uint32_t first = base + static_cast<uint32_t>((row0 + r) * blocks32 + c / 32) * kLanes;
+              const uint32_t first = static_cast<uint32_t>(row0 + r) * stride + base + static_cast<uint32_t>(c / 32) * kLanes;
               __m512 other;
               box_muller(seed, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lane), z, other);
               _mm512_store_ps(z1 + at + kLanes, other);  // (kW is a whole number of 32-column blocks)
@@ -416,7 +419,7 @@ void read_item(const Job& j, int64_t item) {
               z = _mm512_load_ps(z1 + at);
             }
           } else if (tile % 2 == 0) {
-            const uint32_t first = base + static_cast<uint32_t>((row0 + r) * q.n + c);
+            const uint32_t first = static_cast<uint32_t>(row0 + r) * stride + base + static_cast<uint32_t>(c);
             __m512 other;
             box_muller(seed, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lane), z, other);
             _mm512_store_ps(z1 + at, other);

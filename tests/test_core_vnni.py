@@ -119,7 +119,7 @@ def _read(w, var, x, k, n, terms, seed=5, noise=True, lsb=None, gain=None, qmax=
 def _xla_read(p, v, seed, lsb=None, gain=None, qmax=127.0):
     """The read's steps after the dots as sidra_core.crossbar's XLA path takes them, in one jitted
     program (XLA contracts products into sums there): one Box-Muller pair per (tile pair, row,
-    column), counters row-major, noise, ADC, gain, tile sum in order."""
+    column), counters per row, noise, ADC, gain, tile sum in order."""
 
     @jax.jit
     def steps(p, v, lsb, gain):
@@ -129,7 +129,7 @@ def _xla_read(p, v, seed, lsb=None, gain=None, qmax=127.0):
             t = p[i]
             if v is not None:
                 if i % 2 == 0:
-                    z = crossbar._read_normals(jnp.uint32(seed), rows, n, i, alone=i + 1 == gk)
+                    z = crossbar._read_normals(jnp.uint32(seed), rows, n, i, alone=i + 1 == gk, grid_k=gk)
                 t = t + jnp.sqrt(v[i]) * z[i % 2]
             t = crossbar._adc(t, None if lsb is None else lsb[i], None if gain is None else gain[i], qmax)
             y = t if y is None else y + t
@@ -288,19 +288,24 @@ def test_an_unpaired_tile_uses_both_normals_of_each_pair():
 
 
 def test_the_read_normals_layout():
-    """Paired tiles: pair (row, column) of counter row * N + column; an unpaired last tile: pair
-    (row, 32-column block, lane) of counter (row * blocks + block) * 16 + lane, z0 for the block's
-    first 16 columns, z1 for the rest; counters start at tile // 2 * rows * N."""
-    seed, rows, n = jnp.uint32(9), 3, 40
-    z0, z1 = crossbar._read_normals(seed, rows, n, 2, alone=False)
-    c0, c1 = rng.box_muller(seed, jnp.uint32(rows * n + 1 * n + 7))
+    """Each row owns `stride` counters (width per tile pair: N, or 16 per 32-column block if more);
+    paired tiles: pair (row, column) of counter row * stride + pair * width + column; an unpaired
+    last tile: pair (row, 32-column block, lane) of counter row * stride + pair * width + block * 16
+    + lane, z0 for the block's first 16 columns, z1 for the rest."""
+    seed, rows, n, gk = jnp.uint32(9), 3, 40, 3
+    width, stride = crossbar._normals_stride(n, gk)
+    assert (width, stride) == (40, 80) and crossbar._normals_stride(10, 5) == (16, 48)
+    z0, z1 = crossbar._read_normals(seed, rows, n, 0, alone=False, grid_k=gk)
+    c0, c1 = rng.box_muller(seed, jnp.uint32(1 * stride + 7))
     assert z0[1, 7] == c0 and z1[1, 7] == c1
-    za, none = crossbar._read_normals(seed, rows, n, 2, alone=True)
+    za, none = crossbar._read_normals(seed, rows, n, 2, alone=True, grid_k=gk)
     assert none is None and za.shape == (rows, n)
     for col in (3, 18, 35):
         block, lane = divmod(col, 32)
-        pair = rng.box_muller(seed, jnp.uint32(rows * n + (2 * 2 + block) * 16 + lane % 16))
+        pair = rng.box_muller(seed, jnp.uint32(2 * stride + width + block * 16 + lane % 16))
         assert za[2, col] == pair[lane // 16]
+    # a row's normals do not depend on the rows drawn with it
+    np.testing.assert_array_equal(crossbar._read_normals(seed, 7, n, 2, alone=True, grid_k=gk)[0][:rows], za)
 
 
 @needs_vnni

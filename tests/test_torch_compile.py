@@ -268,12 +268,19 @@ def test_unsupported_op_splits_the_graph_and_runs(int8):
     assert torch.sidra.counters()["fallback_ops"] == 1
 
 
-def test_repeated_shapes_reuse_the_plan_and_many_shapes_warn(int8):
-    calls = []
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).to(D)
-    compiled = torch.compile(model, backend="sidra")
+def test_repeated_shapes_reuse_the_plan_and_new_lengths_reuse_the_bucketed_kernels(int8):
+    """A repeated shape reuses its plan; once dynamo makes the rows dynamic, twenty new row counts
+    build no plan and no warning, compile a program per row bucket only, and match eager."""
+    import warnings
+
+    from sidra_core import buckets, compiles
     from sidra_torch.compiler import program
 
+    calls = []
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).to(D)
+    compiled = torch.compile(model, backend="sidra")
     build = program.Plan.__init__
 
     def counting(self, *a, **k):
@@ -282,15 +289,26 @@ def test_repeated_shapes_reuse_the_plan_and_many_shapes_warn(int8):
 
     program.Plan.__init__ = counting
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             for _ in range(3):
                 compiled(torch.randn(4, 8).to(D))
             assert len(calls) == 1
-            with pytest.warns(UserWarning, match="specialised for 9 input shapes"):
-                for rows in range(5, 14):
-                    compiled(torch.randn(rows, 8).to(D))
+            compiled(torch.randn(5, 8).to(D))  # dynamo's second shape: the dynamic graph
+            plans = len(calls)
+            xs = [torch.randn(rows, 8).to(D) for rows in range(6, 26)]
+            with compiles.record() as built:
+                ys = [compiled(x) for x in xs]
     finally:
         program.Plan.__init__ = build
+    assert len(calls) == plans <= 2
+    assert not [w for w in caught if "recompil" in str(w.message) or "specialised" in str(w.message)]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 2
+    rows = {buckets.size(r) for r in range(6, 26)} - {buckets.size(5)}  # the linear's new buckets
+    elements = {buckets.size(8 * r) for r in range(6, 26)} - {buckets.size(8 * 5)}  # the GELU's
+    assert built.programs == {"jit(mvm)": len(rows), "jit(op)": len(elements)}
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(y.cpu(), model(x).cpu(), rtol=0, atol=0)
 
 
 def test_a_compiled_model_follows_the_chip_in_use(restore_chip):

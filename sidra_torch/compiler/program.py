@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import re
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +49,6 @@ def _cpu_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_ma
 
 # Decompositions applied while capturing (NotImplemented: the op stays whole).
 DECOMPOSITIONS = {_CPU_ATTENTION: _cpu_attention}
-
-RECOMPILE_WARN = 8  # distinct input signatures of one graph before we say so
 
 
 def weight_names(gm: fx.GraphModule) -> list[str]:
@@ -309,13 +306,17 @@ def _to_torch(v, node):
 
 
 class CompiledGraph:
-    """What the `sidra` backend returns for one dynamo graph: plans per input signature."""
+    """What the `sidra` backend returns for one dynamo graph: plans per input signature, or, for a
+    graph with dynamic sizes, eager dispatch, whose kernels run at row buckets (sidra_core.buckets)."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list):
         self.gm = gm
         self.names = weight_names(gm)
         self.plans: dict = {}
-        self._warned = False
+        # Dynamo makes a size dynamic once it has seen two; a plan is one XLA program per concrete
+        # shape, so such a graph runs op by op instead, each op's kernel at its rows' bucket: a
+        # new length reuses the kernels (a plan cannot pad: its ops are not all row-wise).
+        self.dynamic = any(_symbolic(n.meta.get("example_value")) for n in gm.graph.nodes if n.op == "placeholder")
         for a, name in zip(example_inputs, self.names):
             if isinstance(a, _t.SidraTensor) and weight_base(a) is a:
                 a.__dict__.setdefault("_sidra_weight", name)
@@ -331,17 +332,20 @@ class CompiledGraph:
         p = self.plans.get(key)
         if p is None:
             p = self.plans[key] = Plan(self.gm, list(args), self.names)
-            if len(self.plans) > RECOMPILE_WARN and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"sidra: this compiled graph has been specialised for {len(self.plans)} input shapes (each "
-                    "is a new trace and XLA compile); pad inputs to a few fixed sizes, e.g. "
-                    "tokenizer(..., padding='max_length', max_length=128)", stacklevel=3)
         return p
 
     @runtime.on_one_torch_thread
     def __call__(self, *args):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            # Training: eager dispatch records autograd (straight-through gradients on the host).
+        if self.dynamic or (torch.is_grad_enabled()
+                            and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            # Dynamic sizes, or training: eager dispatch (bucketed kernels; autograd records
+            # straight-through gradients on the host).
             return self.gm(*args)
         return self.plan(args).run(list(args))
+
+
+def _symbolic(v) -> bool:
+    """Whether a placeholder's example value is a symbol or a tensor with a symbolic size."""
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
