@@ -107,11 +107,12 @@ def jit(fn=None, **jit_kwargs):
 
 def use_compilation_cache() -> None:
     """Compiled kernels persist across processes (the first forward of a model compiles one MVM per
-    layer shape): a user's own cache setting wins; SIDRA_JAX_CACHE=0 disables."""
+    layer shape and row bucket), all of them: loading even a small one beats compiling it again.
+    A user's own cache setting wins; SIDRA_JAX_CACHE=0 disables."""
     cache_dir = os.environ.get("SIDRA_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sidra", "jax"))
     if cache_dir != "0" and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def run_inline() -> bool:

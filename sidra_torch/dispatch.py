@@ -33,7 +33,7 @@ from sidra_core import conv_weight_matrix, cost, engine
 from sidra_core.engine import STORAGE
 
 from . import rnn, runtime, transformer
-from .dlpack import to_jax
+from sidra_core.dlpack import to_jax
 from .weights import resident, weight_base
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""sidra_torch.dlpack: torch -> JAX without a copy, through jaxlib's import or the public path."""
+"""sidra_core.dlpack: torch -> JAX without a copy, through jaxlib's import or the public path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidra_torch import dlpack
+from sidra_core import dlpack
 
 
 @pytest.fixture
@@ -57,3 +57,15 @@ def test_a_disagreeing_fast_import_is_not_used(fresh, monkeypatch):
     t = torch.randn(2, 2)
     np.testing.assert_array_equal(np.asarray(fresh.to_jax(t)), t.numpy())
     assert fresh._IMPORT is None
+
+
+def test_a_numpy_array_is_shared_and_an_unaligned_first_one_decides_nothing(fresh):
+    buf = np.zeros(64 + 7, np.float32)
+    unaligned = buf[1:8] if buf.ctypes.data % 64 == 0 else buf[:7]  # 4 bytes off a 64-byte boundary
+    np.testing.assert_array_equal(np.asarray(fresh.to_jax(unaligned)), unaligned)
+    assert not fresh._state["checked"]  # XLA copied it: nothing to compare the fast import with
+    buf = np.zeros(4096 + 16, np.float32)
+    off = (-buf.ctypes.data % 64) // 4
+    a = buf[off:off + 4096].reshape(64, 64)
+    a[:] = np.arange(4096).reshape(64, 64)
+    assert fresh.to_jax(a).unsafe_buffer_pointer() == a.ctypes.data and fresh._state["checked"]

@@ -27,7 +27,7 @@ from sidra_core.report import OpRecord
 
 from .. import runtime
 from ..dispatch import fused_attention
-from ..dlpack import to_jax
+from sidra_core.dlpack import to_jax
 from .. import tensor as _t
 from ..weights import _version, programmed_on, resident, weight_base
 from . import passes

@@ -1,4 +1,5 @@
-"""Zero-copy torch CPU tensor -> jax.Array, the hot path of every device op's inputs.
+"""Zero-copy torch CPU tensor or NumPy array -> jax.Array, the hot path of every device op's inputs
+(and of the row buckets' padded copies: jax.device_put takes ~10x longer).
 
 `jax.dlpack.from_dlpack` asks the CPU device for an external-ready-events
 stream on every call; XLA:CPU answers UNIMPLEMENTED and JAX catches the
@@ -32,24 +33,36 @@ def _fast(t) -> jax.Array:
     return _IMPORT(t.__dlpack__(), _state["device"], None, None, _KDLCPU)
 
 
-def _check(t) -> None:
-    """Use the fast import only if it gives what the public one gives (the same memory, shape, dtype)."""
+def _pointer(t) -> int:
+    return t.data_ptr() if hasattr(t, "data_ptr") else t.ctypes.data
+
+
+def _check(t) -> bool:
+    """Use the fast import only if it gives what the public one gives (the same memory, shape,
+    dtype). Decided on the first array the public path imports without a copy (XLA copies an
+    unaligned buffer); returns whether it is decided."""
     global _IMPORT
-    _state["checked"] = True
     if _IMPORT is None:
-        return
+        _state["checked"] = True
+        return True
     try:
         _state["device"] = jax.local_devices(backend="cpu")[0]
-        a, b = _fast(t), _public(t)
+        b = _public(t)
+        if b.unsafe_buffer_pointer() != _pointer(t):
+            return False
+        a = _fast(t)
         ok = (a.shape, a.dtype, a.unsafe_buffer_pointer()) == (b.shape, b.dtype, b.unsafe_buffer_pointer())
     except Exception:  # noqa: BLE001 - any surprise from a private API means: do not use it
         ok = False
     if not ok:
         _IMPORT = None
+    _state["checked"] = True
+    return True
 
 
 def to_jax(t) -> jax.Array:
-    """A jax.Array sharing the memory of `t` (a contiguous CPU torch tensor)."""
-    if not _state["checked"]:
-        _check(t)
+    """A jax.Array sharing the memory of `t` (a contiguous CPU torch tensor or writeable NumPy array;
+    XLA copies one that is not aligned for it)."""
+    if not _state["checked"] and not _check(t):
+        return _public(t)
     return _fast(t) if _IMPORT is not None else _public(t)
