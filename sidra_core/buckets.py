@@ -40,17 +40,17 @@ def xp(x):
 
 def pad(x, axes=(0,), shape=None) -> jax.Array:
     """x, reshaped to `shape` if given, with each of `axes` zero-padded to its bucket. The copy is
-    made in host memory and put on the device with jax.device_put: a jnp pad, reshape or even
-    jnp.asarray would itself compile a program per shape."""
+    made in host memory and handed to JAX by `put`: a jnp pad, reshape or even jnp.asarray would
+    itself compile a program per shape."""
     m = xp(x)
     a = m.asarray(x)
     if shape is not None:
         a = a.reshape(shape)
+    if m is jnp:
+        return a
     target = list(a.shape)
     for ax in axes:
         target[ax] = size(target[ax])
-    if m is jnp:
-        return a
     if tuple(target) == a.shape:
         return x if isinstance(x, jax.Array) and x.committed and x.shape == a.shape else put(a)
     out = np.zeros(target, a.dtype)

@@ -13,7 +13,6 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -209,7 +208,8 @@ class Chip:
         if bias is not None and np.ndim(bias) > 1:  # a bias per row: padded with the rows
             bias = buckets.pad(buckets.xp(bias).broadcast_to(bias, (*lead, n)), shape=(rows, n))
         snap = self.snapshot(res)
-        y = crossbar.mvm(snap, buckets.pad(x, shape=(rows, k)), np.uint32(self.next_seed()), bias, **crossbar.mvm_kwargs(self.spec))
+        y = crossbar.mvm(snap, buckets.pad(x, shape=(rows, k)), np.uint32(self.next_seed()), bias,
+                         **crossbar.mvm_kwargs(self.spec))
         self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
         return buckets.take(y, (rows, n), (*lead, n))
 
@@ -233,10 +233,14 @@ class Chip:
         if op in engine.ELEMENTWISE:
             y = _by_rows(engine.ELEMENTWISE[op], x, 0, precision=p)
         elif op in ("softmax", "log_softmax"):
-            axis, m = kwargs.pop("axis", -1), buckets.xp(x)
-            y = _by_rows(getattr(engine, op), m.moveaxis(m.asarray(x), axis, -1), 1, precision=p, **kwargs)
-            y = m.moveaxis(m.asarray(y), -1, axis)
-            y = y if m is jnp else buckets.put(y)
+            axis, last = kwargs.pop("axis", -1) % np.ndim(x), np.ndim(x) - 1
+            if axis == last:  # rows as they lie: no host round trip to move an axis
+                y = _by_rows(getattr(engine, op), x, 1, precision=p, **kwargs)
+            else:
+                m = buckets.xp(x)
+                y = _by_rows(getattr(engine, op), m.moveaxis(m.asarray(x), axis, -1), 1, precision=p, **kwargs)
+                y = m.moveaxis(m.asarray(y), -1, axis)
+                y = y if m is jnp else buckets.put(y)
         elif op in ("layer_norm", "rms_norm"):
             y = _by_rows(getattr(engine, op), x, kwargs.get("ndim", 1), precision=p, **kwargs)
         elif op == "batch_norm":  # channels on axis 1: the batch is the rows

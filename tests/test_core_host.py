@@ -110,3 +110,12 @@ def test_assumed_cpu_flags_give_another_hosts_choices():
     env["SIDRA_CPU_FLAGS"] = "avx2 avx512f avx512bw avx512_vnni avx512_bf16 amx_int8"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[0].endswith("True True False")  # AMX: XLA's int8 dots, not the kernel
+
+
+def test_the_kernel_cache_keeps_every_program(tmp_path):
+    """Every compiled program persists, however fast it compiled: loading a small one beats
+    compiling it again in the next process."""
+    code = "import jax, sidra_core; print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)"
+    env = {**os.environ, "SIDRA_JAX_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[0] == f"{tmp_path} 0.0"

@@ -508,3 +508,11 @@ def test_the_fused_attention_refuses_mismatched_operands():
         jax.block_until_ready(jax.ffi.ffi_call(vnni.ATTENTION_TARGET, jax.ShapeDtypeStruct((2, 3, 5, 8), jnp.float32))(
             jnp.ones((2, 3, 5, 8)), jnp.ones((2, 3, 7, 9)), jnp.ones((2, 3, 7, 8)), scale=np.float32(1),
             heads_first=np.int64(1), format=np.int64(1), qmax=np.float32(127)))
+
+
+def test_a_kernel_call_where_the_kernel_does_not_run_names_the_cause(monkeypatch):
+    """Without the kernel (no instructions, no compiler), a direct call says so instead of XLA's
+    missing-handler error."""
+    monkeypatch.setattr(vnni, "available", lambda: False)
+    with pytest.raises(RuntimeError, match="does not run on this host.*AVX-512 VNNI"):
+        vnni.engine_matmul(jnp.ones((1, 2, 4)), jnp.ones((1, 4, 3)))

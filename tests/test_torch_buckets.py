@@ -4,11 +4,10 @@ bucket, not per length."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import sidra_torch
-from conftest_torch import D, load_minilm, restore_chip, y1  # noqa: F401
+from conftest_torch import D, load_minilm, restore_chip, y1  # noqa: F401 (fixtures)
 from sidra_core import buckets, compiles
 
 

@@ -23,11 +23,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from sidra_core import host
 from sidra_core.conv import weight_matrix as conv_weight_matrix
+from sidra_core.dlpack import to_jax
 from sidra_core.report import OpRecord
 
 from .. import runtime
 from ..dispatch import fused_attention
-from sidra_core.dlpack import to_jax
 from .. import tensor as _t
 from ..weights import _version, programmed_on, resident, weight_base
 from . import passes
