@@ -72,12 +72,13 @@ def vnni_dots() -> bool:
     """Whether a snapshot of INT8 DAC-code weights is packed for `sidra_core.vnni`'s custom call
     (the partial sums as AVX-512 VNNI dots, the variances as BF16 dots).
 
-    Where XLA's own int8 dot is fast (AMX, LOW_PRECISION_DOTS) it is kept; elsewhere the kernel is
-    used where the CPU has the instructions and a C++ compiler built it (`vnni.available()`).
-    SIDRA_VNNI_DOTS=1/0 forces the choice (1 still needs the instructions and the build).
+    Used wherever the CPU has the instructions and a C++ compiler built it (`vnni.available()`),
+    AMX hosts included: there XLA's int8 dot is as fast at 1024 rows, but at the few rows of eager
+    inference (one sentence, a row bucket) each call costs several times the kernel's, which
+    reads tiles packed once per snapshot (docs/performance.md). SIDRA_VNNI_DOTS=0 forces the
+    XLA dots (1 still needs the instructions and the build).
     """
-    forced = os.environ.get("SIDRA_VNNI_DOTS")
-    if forced == "0" or (forced is None and LOW_PRECISION_DOTS):
+    if os.environ.get("SIDRA_VNNI_DOTS") == "0":
         return False
     from sidra_core import vnni
 
