@@ -593,7 +593,7 @@ def _read_array(gp, gm, history, ref_norm, now, t0, read: _Read):
         per_tile = jnp.where(now_norm > 0, ref_norm / now_norm, 1.0)
         gain = jnp.repeat(per_tile, grid.cols, axis=1)[:, :n]
     var_scale = None
-    if var is not None and read.split and not read.packed:  # integer levels: see _variance
+    if var is not None and read.split:  # integer levels: see _variance
         var, var_scale = _variance_levels(var)
     if read.narrow:
         w = _block_diagonal(w)[None]
@@ -603,7 +603,7 @@ def _read_array(gp, gm, history, ref_norm, now, t0, read: _Read):
                                                    read.int_dots)
     if read.packed:
         wp, corr, sp = vnni.pack(pair if read.packed == 2 else whole, var, k=grid.k, terms=read.packed)
-        return (wp,), corr, None if var is None else (sp,), None, gain, has_fraction
+        return (wp,), corr, None if var is None else (sp,), var_scale, gain, has_fraction
     return (whole, pair), None, var, var_scale, gain, has_fraction
 
 
@@ -658,9 +658,11 @@ def _device_tiles(w, var, split: bool, int_dots: bool):
 
 # Read-noise variances of an INT8-code read as integer levels 0.._VAR_LEVELS of a per tile column
 # step: with x^2 split in two 7-bit halves, every product and sum of the variance dot is an integer
-# below 2^24, exact in float32 (and the operands in bfloat16) in any order. Rounding is dithered
-# (a fixed uniform offset per cell): many cells share one variance (both at G_min), and rounding
-# them all the same way would bias a column's sum; dithered, a column's error is random, ~0.3 %.
+# below 2^24, exact in float32 (and the operands in bfloat16) in any order, and in the VNNI
+# kernel's int32 sums (uint8 levels against int8 halves): every backend has the same variances.
+# Rounding is dithered (a fixed uniform offset per cell): many cells share one variance (both at
+# G_min), and rounding them all the same way would bias a column's sum; dithered, a column's
+# error is random, ~0.3 %.
 _VAR_LEVELS = 255.0
 _DITHER_SEED = 0x5EED
 
@@ -792,8 +794,9 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     if s.packed:  # the whole MVM as one VNNI custom call: DAC, dots, noise, ADC, tile sum, dequantisation
         fused = bias is None or jnp.ndim(bias) <= 1  # a per-column bias goes in; any other is added after
         b = jnp.broadcast_to(bias, (s.n,)).astype(jnp.float32) if fused and bias is not None else None
-        y = vnni.mvm(x2, snap.w[0], snap.corr, None if snap.var is None else snap.var[0], snap.lsb, snap.gain,
-                     snap.scale, b, seed, k=s.k, n=s.n, qmax=qmax, dac_qmax=float(2 ** (dac_bits - 1) - 1))
+        y = vnni.mvm(x2, snap.w[0], snap.corr, None if snap.var is None else snap.var[0], snap.var_scale,
+                     snap.lsb, snap.gain, snap.scale, b, seed, k=s.k, n=s.n, qmax=qmax,
+                     dac_qmax=float(2 ** (dac_bits - 1) - 1))
         y = y.reshape(*lead, s.n)
         return y if fused else y + bias
     if dac_bits is not None:
@@ -827,7 +830,7 @@ def clipped_fraction(snap: Snapshot, x, spec: ChipSpec) -> float:
     if spec.dac.enabled:
         x2, _ = quantise_rows(x2, spec.dac.bits)
     if s.packed:  # the kernel's own partial sums
-        p = vnni.tile_dots(x2, snap.w[0], snap.corr, None, k=s.k, n=s.n)[0]
+        p = vnni.tile_dots(x2, snap.w[0], snap.corr, None, None, k=s.k, n=s.n)[0]
     else:
         x2 = jnp.pad(x2, ((0, 0), (0, s.grid_k * s.rows - s.k)))
         p = jnp.matmul(jnp.swapaxes(x2.reshape(x2.shape[0], s.grid_k, s.rows), 0, 1), snap.weights())

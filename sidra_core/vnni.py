@@ -3,7 +3,7 @@
 On hosts without AMX, XLA:CPU's int8 dot runs at its float32 speed, while the CPU's VNNI
 instructions do int8 MACs at 4x its float32 FMA rate (torch's oneDNN int8 GEMM shows it); with
 AMX, XLA's int8 dot is slow at the few rows of eager calls, where these read pre-packed tiles. One
-call computes every tile's INT8 partial sums and bfloat16 read-noise variances (`tile_dots`);
+call computes every tile's INT8 partial sums and exact read-noise variances (`tile_dots`);
 the MVM's (`mvm`) is the whole read: the DAC, those dots, the noise draw, the ADC, the tile sum
 and the dequantisation in one pass, drawing the noise as `sidra_core.rng.box_muller` does. It is compiled once per source
 and jaxlib version into the user's cache (a C++ compiler is needed; without one, or on a CPU
@@ -115,18 +115,19 @@ def _call(target, shapes):
 
 
 def pack(w, var, k: int, terms: int):
-    """Per-tile weights (a sequence of grid_k (256, terms N) arrays) int8 (whole codes [| fractions]) and variances
-    (grid_k of (256, N)) or None -> the kernel's layouts: int8 (grid_k, NV, terms, 64, 16, 4), the
-    int32 column corrections 128 sum_k w (grid_k, NV, terms, 16), bfloat16 (grid_k, NV, 128, 16, 2).
-    Word lines past K are zeroed (the kernel reads the last tile in whole groups of 4)."""
+    """Per-tile weights (a sequence of grid_k (256, terms N) arrays) int8 (whole codes [| fractions]) and
+    variance levels (grid_k of (256, N), integers 0..255: crossbar._variance_levels) or None -> the
+    kernel's layouts: int8 (grid_k, NV, terms, 64, 16, 4), the int32 column corrections 128 sum_k w
+    (grid_k, NV, terms, 16), uint8 levels (grid_k, NV, 64, 16, 4). Word lines past K are zeroed
+    (the kernel reads the last tile in whole groups of 4)."""
     w = jnp.stack(w)
     gk, rows, tn = w.shape
     nv = -(-(tn // terms) // LANES)
     noise = var is not None
-    s = jnp.stack(var).astype(jnp.bfloat16) if noise else jnp.zeros((gk, rows, 0), jnp.bfloat16)
+    s = jnp.stack(var).astype(jnp.uint8) if noise else jnp.zeros((gk, rows, 0), jnp.uint8)
     shapes = (jax.ShapeDtypeStruct((gk, nv, terms, rows // 4, LANES, 4), jnp.int8),
               jax.ShapeDtypeStruct((gk, nv, terms, LANES), jnp.int32),
-              jax.ShapeDtypeStruct((gk, nv, rows // 2, LANES, 2) if noise else (0,), jnp.bfloat16))
+              jax.ShapeDtypeStruct((gk, nv, rows // 4, LANES, 4) if noise else (0,), jnp.uint8))
     wp, corr, sp = _call(PACK_TARGET, shapes)(
         w, s, k=np.int64(k), terms=np.int64(terms), noise=np.int64(noise))
     return wp, corr, (sp if noise else None)
@@ -139,34 +140,37 @@ def unpack(wp, n: int):
     return w.reshape(gk, groups * four, terms * n)
 
 
-def _operands(codes, wp, sp, k: int):
+def _operands(codes, wp, sp, step, k: int):
     """The kernel's inputs from INT8 DAC codes (rows, K): codes + 128 as uint8 and, with variances,
-    codes^2 in bfloat16, both padded to whole tiles; empty stand-ins without read noise."""
+    codes^2 as two 7-bit halves (rows, 2, Kp) uint8, both padded to whole tiles (Kp); empty
+    stand-ins without read noise."""
     kp = wp.shape[0] * TILE_ROWS
     xu = jnp.pad((codes + 128).astype(jnp.uint8), ((0, 0), (0, kp - k)), constant_values=128)
-    if sp is not None:
-        return xu, jnp.pad((codes * codes).astype(jnp.bfloat16), ((0, 0), (0, kp - k))), sp
-    return xu, jnp.zeros((0, 0), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)
+    if sp is None:
+        return xu, jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.float32)
+    sq = jnp.pad((codes * codes).astype(jnp.int32), ((0, 0), (0, kp - k)))
+    return xu, jnp.stack([sq >> 7, sq & 127], axis=1).astype(jnp.uint8), sp, jnp.asarray(step, jnp.float32)
 
 
-def tile_dots(codes, wp, corr, sp, *, k: int, n: int):
+def tile_dots(codes, wp, corr, sp, step, *, k: int, n: int):
     """Every tile's partial sums p (grid_k, rows, N) of INT8 DAC codes (rows, K) against the
-    packed weights, as float32 (whole + fraction / 254 for two terms), and with variances `sp`
-    their read-noise variances v = x^2 @ s (bfloat16 operands, float32 sums), else None."""
+    packed weights, as float32 (whole + fraction / 254 for two terms), and with variance levels
+    `sp` of `step` (grid_k, N) their read-noise variances v = (x^2 @ levels) step (crossbar._variance's
+    bits), else None."""
     gk, terms = wp.shape[0], wp.shape[2]
     noise = sp is not None
-    xu, x2, sv = _operands(codes, wp, sp, k)
+    xu, x2, sv, st = _operands(codes, wp, sp, step, k)
     out = jax.ShapeDtypeStruct((gk, codes.shape[0], n), jnp.float32)
     p, v = _call(TARGET, (out, out))(
-        xu, x2, wp, corr, sv, k=np.int64(k), n=np.int64(n), terms=np.int64(terms), noise=np.int64(noise))
+        xu, x2, wp, corr, sv, st, k=np.int64(k), n=np.int64(n), terms=np.int64(terms), noise=np.int64(noise))
     return p, (v if noise else None)
 
 
-def mvm(x, wp, corr, sp, lsb, gain, scale, bias, seed, *, k: int, n: int, qmax: float, dac_qmax: float):
+def mvm(x, wp, corr, sp, step, lsb, gain, scale, bias, seed, *, k: int, n: int, qmax: float, dac_qmax: float):
     """y (rows, N) of float32 inputs x (rows, K) as `crossbar.mvm` computes it, the same bits
     (but where XLA contracts a product the kernel rounds, see the tests): the DAC (per-row codes
-    of +-dac_qmax, `quant.quantise_rows`), each tile's partial sums, with variances `sp` plus read
-    noise drawn as `crossbar.mvm` draws it (`seed`), through the ADC of step `lsb` (grid_k, N) and
+    of +-dac_qmax, `quant.quantise_rows`), each tile's partial sums, with variance levels `sp` of
+    `step` (grid_k, N) plus read noise drawn as `crossbar.mvm` draws it (`seed`), through the ADC of step `lsb` (grid_k, N) and
     +-qmax codes when given, times the drift gain (grid_k, N) when given; the tile sum times
     each row's DAC scale and the column `scale` (N,), plus `bias` (N,) when given."""
     terms = wp.shape[2]
@@ -174,7 +178,9 @@ def mvm(x, wp, corr, sp, lsb, gain, scale, bias, seed, *, k: int, n: int, qmax: 
     empty = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return _call(MVM_TARGET, out)(
-        x, wp, corr, sp if noise else jnp.zeros((0,), jnp.bfloat16), empty if lsb is None else lsb,
+        x, wp, corr, sp if noise else jnp.zeros((0,), jnp.uint8),
+        jnp.asarray(step, jnp.float32) if noise else empty,
+        empty if lsb is None else lsb,
         empty if gain is None else gain, scale, empty if bias is None else bias,
         jnp.asarray(0 if seed is None else seed, jnp.uint32), k=np.int64(k), n=np.int64(n), terms=np.int64(terms),
         noise=np.int64(noise), qmax=np.float32(qmax), dac_qmax=np.float32(dac_qmax))

@@ -4,7 +4,9 @@
 //
 // Per 256-row tile, for each input row and tile column:
 //   p = sum_k x_k w_k   (x: INT8 DAC codes, w: int8 whole codes [+ int8 fractions / 254])
-//   v = sum_k x_k^2 s_k (x^2 and the cell variances s in bfloat16, float32 sums)
+//   v = (sum_k hi_k s_k x 128 + sum_k lo_k s_k) x step (x^2 = 128 hi + lo in two 7-bit halves, s the
+//       cells' variances as integer levels 0..255 of a step per tile column: exact int32 sums, as
+//       sidra_core.crossbar._variance's exact float32 ones, so both give the same bits)
 // vpdpbusd multiplies unsigned by signed bytes, so the inputs come as x + 128 and each column
 // subtracts 128 sum_k w_k (precomputed). Integer sums are exact: |sum| <= 256 * 255 * 127 < 2^31.
 // sidra_tile_dots returns p and v of every tile; sidra_mvm is the whole MVM: the DAC of the float
@@ -13,10 +15,10 @@
 // inputs and writes its (rows, N) result once (256 x 1024 x 1024: 4.3 -> 3.8 ms with the tile
 // sums fused, 3.8 -> 3.0 with the DAC and dequantisation as well, which XLA did in three passes).
 //
-// Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 bf16 (rows, Kp), Kp = grid_k * 256 (the
-// dots' inputs; sidra_mvm makes them from x float32 (rows, K));
+// Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 uint8 (rows, 2, Kp): hi then lo, Kp = grid_k * 256
+// (the dots' inputs; sidra_mvm makes them from x float32 (rows, K));
 // w int8 (grid_k, NV, T, 64, 16, 4): 16-column vectors, T terms (whole[, fraction]), 4 word lines
-// per 32-bit lane; corr int32 (grid_k, NV, T, 16); s bf16 (grid_k, NV, 128, 16, 2);
+// per 32-bit lane; corr int32 (grid_k, NV, T, 16); s uint8 (grid_k, NV, 64, 16, 4) as w; step f32 (grid_k, N);
 // outputs p, v float32 (grid_k, rows, N); y float32 (rows, N).
 
 #include <immintrin.h>
@@ -43,16 +45,13 @@ constexpr int kTileRows = 256;
 constexpr int kLanes = 16;      // float32 / int32 lanes of a 512-bit vector
 constexpr int kPanel = 4;       // vectors (64 columns) per work item
 constexpr int kMaxRows = 6;     // rows per register block: 6 x 4 accumulators + 4 weights + 1 input
-constexpr int kGroupBytes = 64; // one vector's weights for 4 word lines (int8) or 2 (bf16)
+constexpr int kGroupBytes = 64; // one vector's weights (or variance levels) for 4 word lines
 
-// The dot instructions as inline assembly: GCC 12 compiles their intrinsics with a register copy
+// The dot instruction as inline assembly: GCC 12 compiles its intrinsic with a register copy
 // and a stack store per instruction (the accumulator is an input of the builtin, not tied to
 // its output), which ran the kernel at a third of the instructions' rate.
 inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
-}
-inline void dpbf16(__m512& acc, __m512i a, __m512i b) {
-  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
 
 inline __mmask16 column_mask(int valid) {
@@ -103,34 +102,45 @@ __attribute__((noinline)) void signal_block(const uint8_t* x, int64_t ldx, const
   }
 }
 
-// MR rows x NV vectors of one tile's read-noise variances.
+// MR rows x NV vectors of one tile's read-noise variances: each row's x^2 halves (hi at x2, lo at
+// x2 + lo_off) against the levels s (the unsigned operand: 0..255), then (hi sum x 128 + lo sum) x
+// step in float32 (the XLA path's operations: both sums are exact integers below 2^24).
 template <int MR, int NV>
-__attribute__((noinline)) void variance_block(const uint16_t* x2, int64_t ldx, const uint16_t* s, int pairs, float* out, int64_t ldo,
-                    int valid_cols) {
-  constexpr int64_t kVecElems = (kTileRows / 2) * (kGroupBytes / 2);  // bf16 elements of one vector
-  __m512 acc[MR][NV];
+__attribute__((noinline)) void variance_block(const uint8_t* x2, int64_t ldx, int64_t lo_off, const uint8_t* s,
+                                              int groups, const float* step, float* out, int64_t ldo, int valid_cols) {
+  constexpr int64_t kVecBytes = int64_t{kTileRows / 4} * kGroupBytes;  // one vector's levels in a tile
+  __m512i hi[MR][NV], lo[MR][NV];
   #pragma GCC unroll 32
   for (int r = 0; r < MR; ++r)
     #pragma GCC unroll 32
-    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int g = 0; g < pairs; ++g) {
+    for (int j = 0; j < NV; ++j) hi[r][j] = lo[r][j] = _mm512_setzero_si512();
+  for (int g = 0; g < groups; ++g) {
     __m512i b[NV];
     #pragma GCC unroll 32
-    for (int j = 0; j < NV; ++j) b[j] = _mm512_loadu_si512(s + j * kVecElems + g * (kGroupBytes / 2));
+    for (int j = 0; j < NV; ++j) b[j] = _mm512_loadu_si512(s + j * kVecBytes + g * kGroupBytes);
     #pragma GCC unroll 32
     for (int r = 0; r < MR; ++r) {
-      int32_t two;
-      __builtin_memcpy(&two, x2 + r * ldx + 2 * g, 4);
-      const __m512i a = _mm512_set1_epi32(two);
+      int32_t h, l;
+      __builtin_memcpy(&h, x2 + r * ldx + 4 * g, 4);
+      __builtin_memcpy(&l, x2 + r * ldx + lo_off + 4 * g, 4);
+      const __m512i ah = _mm512_set1_epi32(h), al = _mm512_set1_epi32(l);
       #pragma GCC unroll 32
-      for (int j = 0; j < NV; ++j) dpbf16(acc[r][j], a, b[j]);
+      for (int j = 0; j < NV; ++j) {
+        dpbusd(hi[r][j], b[j], ah);
+        dpbusd(lo[r][j], b[j], al);
+      }
     }
   }
   #pragma GCC unroll 32
   for (int j = 0; j < NV; ++j) {
     const __mmask16 m = column_mask(valid_cols - j * kLanes);
+    const __m512 st = _mm512_maskz_loadu_ps(m, step + j * kLanes);
     #pragma GCC unroll 32
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo + j * kLanes, m, acc[r][j]);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi[r][j]), _mm512_set1_ps(128.0f)),
+                                       _mm512_cvtepi32_ps(lo[r][j]));
+      _mm512_mask_storeu_ps(out + r * ldo + j * kLanes, m, _mm512_mul_ps(sum, st));
+    }
   }
 }
 
@@ -164,30 +174,30 @@ void signal_panel(int nvb, int64_t rows, const uint8_t* x, int64_t ldx, const in
   }
 }
 
+constexpr int kVarRows = 3;  // rows per variance block: 3 x 4 x 2 accumulators + 4 levels + 2 inputs
+
 template <int NV>
-void variance_rows(int64_t rows, const uint16_t* x2, int64_t ldx, const uint16_t* s, int pairs, float* out,
-                   int64_t ldo, int valid_cols) {
+void variance_rows(int64_t rows, const uint8_t* x2, int64_t ldx, int64_t lo_off, const uint8_t* s, int groups,
+                   const float* step, float* out, int64_t ldo, int valid_cols) {
   int64_t r = 0;
-  for (; r + kMaxRows <= rows; r += kMaxRows)
-    variance_block<kMaxRows, NV>(x2 + r * ldx, ldx, s, pairs, out + r * ldo, ldo, valid_cols);
+  for (; r + kVarRows <= rows; r += kVarRows)
+    variance_block<kVarRows, NV>(x2 + r * ldx, ldx, lo_off, s, groups, step, out + r * ldo, ldo, valid_cols);
   const auto* xr = x2 + r * ldx;
   float* o = out + r * ldo;
   switch (rows - r) {
-    case 1: variance_block<1, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
-    case 2: variance_block<2, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
-    case 3: variance_block<3, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
-    case 4: variance_block<4, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
-    case 5: variance_block<5, NV>(xr, ldx, s, pairs, o, ldo, valid_cols); break;
+    case 1: variance_block<1, NV>(xr, ldx, lo_off, s, groups, step, o, ldo, valid_cols); break;
+    case 2: variance_block<2, NV>(xr, ldx, lo_off, s, groups, step, o, ldo, valid_cols); break;
     default: break;
   }
 }
 
 struct Problem {
   const uint8_t* xu;
-  const uint16_t* x2;  // null: no read noise
+  const uint8_t* x2;  // null: no read noise
   const int8_t* w;
   const int32_t* corr;
-  const uint16_t* s;
+  const uint8_t* s;
+  const float* step;  // (grid_k, N): the variance levels' step per tile column
   int64_t rows, k, n, grid_k, nv, kp;
   int terms;
 };
@@ -197,7 +207,7 @@ struct Problem {
 void panel_dots(const Problem& q, int64_t tile, int64_t v0, int64_t row0, int64_t nrows, float* p, float* v,
                 int64_t ldo) {
   const int64_t used = std::min<int64_t>(kTileRows, q.k - tile * kTileRows);
-  const int groups = static_cast<int>((used + 3) / 4), pairs = static_cast<int>((used + 1) / 2);
+  const int groups = static_cast<int>((used + 3) / 4);
   const int64_t col0 = v0 * kLanes;
   const uint8_t* x = q.xu + row0 * q.kp + tile * kTileRows;
   const int64_t vec_bytes = int64_t{kTileRows / 4} * kGroupBytes;
@@ -219,13 +229,14 @@ void panel_dots(const Problem& q, int64_t tile, int64_t v0, int64_t row0, int64_
   if (q.x2 == nullptr || v == nullptr) return;
   const int nvb = static_cast<int>(std::min<int64_t>(kPanel, q.nv - v0));
   const int valid = static_cast<int>(std::min<int64_t>(nvb * kLanes, q.n - col0));
-  const uint16_t* x2 = q.x2 + row0 * q.kp + tile * kTileRows;
-  const uint16_t* s = q.s + (tile * q.nv + v0) * (kTileRows / 2) * (kGroupBytes / 2);
+  const uint8_t* x2 = q.x2 + row0 * 2 * q.kp + tile * kTileRows;
+  const uint8_t* s = q.s + (tile * q.nv + v0) * vec_bytes;
+  const float* st = q.step + tile * q.n + col0;
   switch (nvb) {
-    case 4: variance_rows<4>(nrows, x2, q.kp, s, pairs, v, ldo, valid); break;
-    case 3: variance_rows<3>(nrows, x2, q.kp, s, pairs, v, ldo, valid); break;
-    case 2: variance_rows<2>(nrows, x2, q.kp, s, pairs, v, ldo, valid); break;
-    default: variance_rows<1>(nrows, x2, q.kp, s, pairs, v, ldo, valid); break;
+    case 4: variance_rows<4>(nrows, x2, 2 * q.kp, q.kp, s, groups, st, v, ldo, valid); break;
+    case 3: variance_rows<3>(nrows, x2, 2 * q.kp, q.kp, s, groups, st, v, ldo, valid); break;
+    case 2: variance_rows<2>(nrows, x2, 2 * q.kp, q.kp, s, groups, st, v, ldo, valid); break;
+    default: variance_rows<1>(nrows, x2, 2 * q.kp, q.kp, s, groups, st, v, ldo, valid); break;
   }
 }
 
@@ -299,12 +310,12 @@ struct Job {
   float dac_qmax = 0;
   float* xscale = nullptr;
   uint8_t* xu = nullptr;
-  uint16_t* x2 = nullptr;
+  uint8_t* x2 = nullptr;
   std::atomic<int>* ready = nullptr;
   const float* scale = nullptr;  // (N,) the weight's value of one code per column
   const float* bias = nullptr;   // (N,) or null
   std::unique_ptr<uint8_t[]> xu_buf;  // what xu, x2, xscale and ready point at
-  std::unique_ptr<uint16_t[]> x2_buf;
+  std::unique_ptr<uint8_t[]> x2_buf;
   std::unique_ptr<float[]> xscale_buf;
   std::unique_ptr<std::atomic<int>[]> ready_buf;
 };
@@ -322,9 +333,9 @@ void dots_item(const Job& j, int64_t item) {
 // One row's INT8 codes as sidra_core.quant.quantise_rows makes them, operation for operation:
 // scale = max|x| / qmax (1 for an all-zero row; as XLA computes it, times the constant's
 // reciprocal), codes = clip(round half to even(x / scale), +-qmax), stored as codes + 128 (uint8)
-// and, unless x2 is null, codes^2 (bfloat16); entries k..kp get code 0. A row holding a NaN or
+// and, unless x2 is null, codes^2 as two 7-bit halves (hi at x2, lo at x2 + kp); entries k..kp get code 0. A row holding a NaN or
 // an infinity has no codes: its scale is NaN, so are its outputs. Returns the scale.
-float quantise_row(const float* x, int64_t k, int64_t kp, float qmax, uint8_t* xu, uint16_t* x2) {
+float quantise_row(const float* x, int64_t k, int64_t kp, float qmax, uint8_t* xu, uint8_t* x2) {
   const __m512 inf = _mm512_set1_ps(__builtin_inff());
   __m512 amax = _mm512_setzero_ps();
   __mmask16 bad = 0;
@@ -343,10 +354,17 @@ float quantise_row(const float* x, int64_t k, int64_t kp, float qmax, uint8_t* x
     const __m512 codes = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(
         _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + c), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
     _mm512_mask_cvtepi32_storeu_epi8(xu + c, m, _mm512_add_epi32(_mm512_cvtps_epi32(codes), _mm512_set1_epi32(128)));
-    if (x2) _mm256_mask_storeu_epi16(x2 + c, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(codes, codes))));
+    if (x2) {
+      const __m512i sq = _mm512_cvtps_epi32(_mm512_mul_ps(codes, codes));  // exact: <= 127^2
+      _mm512_mask_cvtepi32_storeu_epi8(x2 + c, m, _mm512_srli_epi32(sq, 7));
+      _mm512_mask_cvtepi32_storeu_epi8(x2 + kp + c, m, _mm512_and_si512(sq, _mm512_set1_epi32(127)));
+    }
   }
   std::fill(xu + live, xu + kp, uint8_t{128});
-  if (x2) std::fill(x2 + live, x2 + kp, uint16_t{0});
+  if (x2) {
+    std::fill(x2 + live, x2 + kp, uint8_t{0});
+    std::fill(x2 + kp + live, x2 + 2 * kp, uint8_t{0});
+  }
   return s;
 }
 
@@ -376,7 +394,7 @@ void read_item(const Job& j, int64_t item) {
   const int64_t col0 = v0 * kLanes;
   once(j.ready[item % j.blocks], [&] {  // the block's DAC codes, made by the first item that needs them
     for (int64_t r = row0; r < row0 + nrows; ++r)
-      j.xscale[r] = quantise_row(j.x + r * q.k, q.k, q.kp, j.dac_qmax, j.xu + r * q.kp, j.x2 ? j.x2 + r * q.kp : nullptr);
+      j.xscale[r] = quantise_row(j.x + r * q.k, q.k, q.kp, j.dac_qmax, j.xu + r * q.kp, j.x2 ? j.x2 + r * 2 * q.kp : nullptr);
   });
   constexpr int kW = kPanel * kLanes;
   alignas(64) float p[kReadRows * kW], v[kReadRows * kW], z1[kReadRows * kW], y[kReadRows * kW];
@@ -771,14 +789,17 @@ constexpr int64_t kParallelMacs = int64_t{1} << 22;
 // The engine matmul sums a whole row in one int32: 255 x 127 x K stays below 2^31.
 constexpr int64_t kMaxEngineK = 65536;
 
-// The packed weights (w, corr, s), checked; false: not the layout vnni.py packs.
-bool weights(ffi::Buffer<ffi::S8>& w, ffi::Buffer<ffi::S32>& corr, ffi::Buffer<ffi::BF16>& s, int64_t k, int64_t n,
-             int64_t terms, Problem& q) {
+// The packed weights (w, corr, s, step), checked; false: not the layout vnni.py packs.
+bool weights(ffi::Buffer<ffi::S8>& w, ffi::Buffer<ffi::S32>& corr, ffi::Buffer<ffi::U8>& s, ffi::Buffer<ffi::F32>& step,
+             int64_t k, int64_t n, int64_t terms, int64_t noise, Problem& q) {
   const auto wd = w.dimensions();
   if (wd.size() != 6 || (terms != 1 && terms != 2) || wd[2] != terms || k > wd[0] * kTileRows) return false;
+  if (noise && (s.element_count() != wd[0] * wd[1] * kTileRows * kLanes || step.element_count() != wd[0] * n))
+    return false;
   q.w = w.typed_data();
   q.corr = corr.typed_data();
-  q.s = reinterpret_cast<const uint16_t*>(s.typed_data());
+  q.s = s.typed_data();
+  q.step = step.typed_data();
   q.k = k;
   q.n = n;
   q.grid_k = wd[0];
@@ -803,16 +824,18 @@ void execute(const std::shared_ptr<Work>& work, int64_t macs) {
 
 int64_t macs(const Problem& q) { return q.rows * q.k * q.n * (q.terms + (q.x2 ? 2 : 0)); }
 
-ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::BF16> x2, ffi::Buffer<ffi::S8> w,
-                    ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::BF16> s, int64_t k, int64_t n, int64_t terms,
-                    int64_t noise, ffi::ResultBuffer<ffi::F32> p, ffi::ResultBuffer<ffi::F32> v) {
+ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::U8> x2, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::U8> s, ffi::Buffer<ffi::F32> step, int64_t k,
+                    int64_t n, int64_t terms, int64_t noise, ffi::ResultBuffer<ffi::F32> p,
+                    ffi::ResultBuffer<ffi::F32> v) {
   auto job = std::make_shared<Job>();
   Job& j = *job;
   const auto xd = xu.dimensions();
-  if (!weights(w, corr, s, k, n, terms, j.q) || xd.size() != 2 || xd[1] != j.q.kp)
+  if (!weights(w, corr, s, step, k, n, terms, noise, j.q) || xd.size() != 2 || xd[1] != j.q.kp ||
+      (noise && x2.element_count() != 2 * xd[0] * j.q.kp))
     return ffi::Error::InvalidArgument("sidra_tile_dots: unexpected operand layout");
   j.q.xu = xu.typed_data();
-  j.q.x2 = noise ? reinterpret_cast<const uint16_t*>(x2.typed_data()) : nullptr;
+  j.q.x2 = noise ? x2.typed_data() : nullptr;
   j.q.rows = xd[0];
   j.p = p->typed_data();
   j.v = v->typed_data();
@@ -828,14 +851,14 @@ ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::BF16> x2, ffi::Buf
 // y (rows, N) = sum over tiles of ADC(p + sqrt(v) z) (the ADC only with `lsb`, the gain only with
 // `gain`; both (grid_k, N) or empty), times each row's DAC scale and the column `scale` (N,),
 // plus `bias` (N,) if not empty.
-ffi::Error Mvm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::BF16> s,
-               ffi::Buffer<ffi::F32> lsb, ffi::Buffer<ffi::F32> gain, ffi::Buffer<ffi::F32> scale,
+ffi::Error Mvm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::U8> s,
+               ffi::Buffer<ffi::F32> step, ffi::Buffer<ffi::F32> lsb, ffi::Buffer<ffi::F32> gain, ffi::Buffer<ffi::F32> scale,
                ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::U32> seed, int64_t k, int64_t n, int64_t terms,
                int64_t noise, float qmax, float dac_qmax, ffi::ResultBuffer<ffi::F32> y) {
   auto job = std::make_shared<Job>();
   Job& j = *job;
   const auto xd = x.dimensions();
-  if (!weights(w, corr, s, k, n, terms, j.q) || xd.size() != 2 || xd[1] != k || seed.element_count() != 1 ||
+  if (!weights(w, corr, s, step, k, n, terms, noise, j.q) || xd.size() != 2 || xd[1] != k || seed.element_count() != 1 ||
       scale.element_count() != n || (bias.element_count() != 0 && bias.element_count() != n))
     return ffi::Error::InvalidArgument("sidra_mvm: unexpected operand layout");
   const int64_t rows = xd[0];
@@ -844,7 +867,7 @@ ffi::Error Mvm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi:
   j.dac_qmax = dac_qmax;
   // the DAC codes, owned by the job (a helper may still hold it after the call returns)
   j.xu_buf.reset(new uint8_t[rows * j.q.kp]);
-  if (noise) j.x2_buf.reset(new uint16_t[rows * j.q.kp]);
+  if (noise) j.x2_buf.reset(new uint8_t[rows * 2 * j.q.kp]);
   j.xscale_buf.reset(new float[rows]);
   j.q.xu = j.xu = j.xu_buf.get();
   j.q.x2 = j.x2 = j.x2_buf.get();
@@ -942,55 +965,49 @@ ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buff
   return ffi::Error::Success();
 }
 
-// The layouts above from per-tile arrays: w int8 (grid_k, 256, T N), s bf16 (grid_k, 256, N) (empty
-// without read noise). Word lines past K and columns past N are zeros; corr = 128 sum_k w.
-ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::BF16> s, int64_t k, int64_t terms, int64_t noise,
+// 16 columns of 4 word lines of a (rows, ld) byte array: each row's bytes widened to 32-bit lanes
+// and shifted into place (one 64-byte store per group); rows past `live` and columns past the mask
+// load as zeros. Returns the columns' sums of the bytes read as int8.
+__m512i pack_groups(const uint8_t* col, int64_t ld, int64_t live, __mmask16 m, uint8_t* dst) {
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t row = 0; row < kTileRows; row += 4, dst += kGroupBytes) {
+    __m512i word = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m128i b = row + j < live ? _mm_maskz_loadu_epi8(m, col + (row + j) * ld) : _mm_setzero_si128();
+      sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(b));
+      word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 8 * j));
+    }
+    _mm512_storeu_si512(dst, word);
+  }
+  return sum;
+}
+
+// The layouts above from per-tile arrays: w int8 (grid_k, 256, T N), s uint8 levels (grid_k, 256, N)
+// (empty without read noise). Word lines past K and columns past N are zeros; corr = 128 sum_k w.
+ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::U8> s, int64_t k, int64_t terms, int64_t noise,
                      ffi::ResultBuffer<ffi::S8> wp, ffi::ResultBuffer<ffi::S32> corr,
-                     ffi::ResultBuffer<ffi::BF16> sp) {
+                     ffi::ResultBuffer<ffi::U8> sp) {
   const auto wd = w.dimensions();
   const auto pd = wp->dimensions();
   if (wd.size() != 3 || wd[1] != kTileRows || pd.size() != 6 || pd[2] != terms)
     return ffi::Error::InvalidArgument("sidra_pack_tiles: unexpected operand layout");
   const int64_t gk = wd[0], n = wd[2] / terms, nv = pd[1], ld = wd[2];
-  const int8_t* src = w.typed_data();
-  int8_t* dst = wp->typed_data();
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(w.typed_data());
+  uint8_t* dst = reinterpret_cast<uint8_t*>(wp->typed_data());
   int32_t* c = corr->typed_data();
-  // 16 columns of 4 word lines: each row's bytes widened to 32-bit lanes and shifted into place
-  // (one 64-byte store per group); rows past K and columns past N load as zeros.
+  const uint8_t* vs = s.typed_data();
+  uint8_t* vd = sp->typed_data();
   for (int64_t tile = 0; tile < gk; ++tile) {
     const int64_t live = std::clamp<int64_t>(k - tile * kTileRows, 0, kTileRows);
     for (int64_t v = 0; v < nv; ++v) {
       const __mmask16 m = column_mask(static_cast<int>(n - v * kLanes));
-      for (int64_t t = 0; t < terms; ++t) {
-        const int8_t* col = src + tile * kTileRows * ld + t * n + v * kLanes;
-        __m512i sum = _mm512_setzero_si512();
-        for (int64_t row = 0; row < kTileRows; row += 4, dst += kGroupBytes) {
-          __m512i word = _mm512_setzero_si512();
-          for (int j = 0; j < 4; ++j) {
-            const __m128i b = row + j < live ? _mm_maskz_loadu_epi8(m, col + (row + j) * ld) : _mm_setzero_si128();
-            sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(b));
-            word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 8 * j));
-          }
-          _mm512_storeu_si512(dst, word);
-        }
+      for (int64_t t = 0; t < terms; ++t, dst += kTileRows * kLanes, c += kLanes) {
+        const __m512i sum = pack_groups(src + tile * kTileRows * ld + t * n + v * kLanes, ld, live, m, dst);
         _mm512_storeu_si512(c, _mm512_slli_epi32(sum, 7));  // 128 sum_k w
-        c += kLanes;
       }
-    }
-  }
-  if (!noise) return ffi::Error::Success();
-  const uint16_t* vs = reinterpret_cast<const uint16_t*>(s.typed_data());
-  uint16_t* vd = reinterpret_cast<uint16_t*>(sp->typed_data());
-  for (int64_t tile = 0; tile < gk; ++tile) {
-    const int64_t live = std::clamp<int64_t>(k - tile * kTileRows, 0, kTileRows);
-    for (int64_t v = 0; v < nv; ++v) {
-      const __mmask16 m = column_mask(static_cast<int>(n - v * kLanes));
-      const uint16_t* col = vs + tile * kTileRows * n + v * kLanes;
-      for (int64_t row = 0; row < kTileRows; row += 2, vd += kGroupBytes / 2) {
-        const __m256i lo = row < live ? _mm256_maskz_loadu_epi16(m, col + row * n) : _mm256_setzero_si256();
-        const __m256i hi = row + 1 < live ? _mm256_maskz_loadu_epi16(m, col + (row + 1) * n) : _mm256_setzero_si256();
-        _mm512_storeu_si512(vd, _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
-                                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+      if (noise) {
+        pack_groups(vs + tile * kTileRows * n + v * kLanes, n, live, m, vd);
+        vd += kTileRows * kLanes;
       }
     }
   }
@@ -1002,21 +1019,22 @@ ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::BF16> s, int64_t k
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraPackTiles, PackTiles,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("terms")
                                   .Attr<int64_t>("noise")
                                   .Ret<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>());
+                                  .Ret<ffi::Buffer<ffi::U8>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraTileDots, TileDots,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("terms")
@@ -1029,7 +1047,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraMvm, Mvm,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

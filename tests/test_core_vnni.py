@@ -20,37 +20,43 @@ def _operands(rows, k, n, terms, seed):
     rs = np.random.default_rng(seed)
     gk = -(-k // 256)
     w = rs.integers(-127, 128, (gk, 256, terms * n)).astype(np.int8)
-    var = rs.random((gk, 256, n)).astype(np.float32) * 0.3
+    # variances as the snapshot holds them: integer levels 0..255 of a step per tile column
+    var = (rs.integers(0, 256, (gk, 256, n)).astype(np.float32), (rs.random((gk, n)) * 1e-3 + 1e-4).astype(np.float32))
     codes = rs.integers(-127, 128, (rows, k)).astype(np.float32)
     codes[:, 0] = 127  # a full-scale input in every row: as sidra_mvm's input, the DAC keeps these codes
     return w, var, codes
 
 
 def _reference(w, var, codes, k, n, terms):
-    """Per-tile float64 sums over the live word lines: p = x @ (whole + fraction / 254) and
-    v = bf16(x^2) @ bf16(var) (the kernel's operands exactly; only its sums round)."""
+    """Per-tile sums over the live word lines: p = x @ (whole + fraction / 254) in float64, and
+    v = (hi @ levels x 128 + lo @ levels) x step, x^2 = 128 hi + lo, in float32 from exact integer
+    sums (crossbar._variance's arithmetic, which the kernel must give to the bit)."""
     gk = w.shape[0]
     wf = w.astype(np.float64)
     wf = wf[..., :n] + wf[..., n:] / 254 if terms == 2 else wf
-    bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
-    vf, x2 = bf(var), bf(codes * codes)
+    levels, step = var[0].astype(np.int64), var[1]
+    sq = codes.astype(np.int64) ** 2
     x = codes.astype(np.float64)
     p, v = [], []
     for i in range(gk):
-        used = min(256, k - 256 * i)
-        p.append(x[:, 256 * i:256 * i + used] @ wf[i, :used])
-        v.append(x2[:, 256 * i:256 * i + used] @ vf[i, :used])
+        live = slice(256 * i, 256 * i + min(256, k - 256 * i))
+        used = live.stop - live.start
+        p.append(x[:, live] @ wf[i, :used])
+        hi, lo = ((sq[:, live] >> 7) @ levels[i, :used]).astype(np.float32), ((sq[:, live] & 127) @ levels[i, :used]).astype(np.float32)
+        v.append((hi * np.float32(128) + lo) * step[i])
     return np.stack(p), np.stack(v)
 
 
 def _pack(w, var, k, terms, noise=True):
-    return jax.jit(vnni.pack, static_argnames=("k", "terms"))(
-        tuple(jnp.asarray(w)), tuple(jnp.asarray(var)) if noise else None, k=k, terms=terms)
+    """The kernel's weight operands: packed weights, corrections, variance levels and their steps."""
+    wp, corr, sp = jax.jit(vnni.pack, static_argnames=("k", "terms"))(
+        tuple(jnp.asarray(w)), tuple(jnp.asarray(var[0])) if noise else None, k=k, terms=terms)
+    return wp, corr, sp, (jnp.asarray(var[1]) if noise else None)
 
 
 def _run(w, var, codes, k, n, terms, noise=True):
-    wp, corr, sp = _pack(w, var, k, terms, noise)
-    p, v = jax.jit(lambda c: vnni.tile_dots(c, wp, corr, sp, k=k, n=n))(jnp.asarray(codes))
+    wp, corr, sp, st = _pack(w, var, k, terms, noise)
+    p, v = jax.jit(lambda c: vnni.tile_dots(c, wp, corr, sp, st, k=k, n=n))(jnp.asarray(codes))
     return np.asarray(p), None if v is None else np.asarray(v)
 
 
@@ -69,7 +75,7 @@ def test_partial_sums_and_variances_match_float64(rows, k, n, terms):
         np.testing.assert_array_equal(p, pe)  # integer sums below 2^24: exact in float32
     else:  # whole (exact) + fraction / 254: float32 rounding of the sum
         np.testing.assert_allclose(p, pe, rtol=0, atol=4e-7 * np.abs(pe).max() + 1e-6)
-    np.testing.assert_allclose(v, ve, rtol=1e-5, atol=1e-6 * ve.max())
+    np.testing.assert_array_equal(v, ve)
 
 
 @needs_vnni
@@ -92,8 +98,7 @@ def test_zero_rows():
 def test_calls_running_at_once_share_the_helpers():
     """Independent calls in one program (XLA may run them in parallel) give each its own result."""
     ops = [_operands(200, 700, 300, 2, seed=s) for s in (1, 2)]
-    packed = [jax.jit(vnni.pack, static_argnames=("k", "terms"))(tuple(jnp.asarray(w)), tuple(jnp.asarray(v)),
-                                                                  k=700, terms=2) for w, v, _ in ops]
+    packed = [_pack(w, v, 700, 2) for w, v, _ in ops]
 
     @jax.jit
     def both(c1, c2):
@@ -103,15 +108,15 @@ def test_calls_running_at_once_share_the_helpers():
     for (w, var, codes), p, v in zip(ops, (p1, p2), (v1, v2)):
         pe, ve = _reference(w, var, codes, 700, 300, 2)
         np.testing.assert_allclose(np.asarray(p), pe, rtol=0, atol=4e-7 * np.abs(pe).max())
-        np.testing.assert_allclose(np.asarray(v), ve, rtol=1e-5, atol=1e-6 * ve.max())
+        np.testing.assert_array_equal(np.asarray(v), ve)
 
 
 def _read(w, var, x, k, n, terms, seed=5, noise=True, lsb=None, gain=None, qmax=127.0, scale=None, bias=None):
     """sidra_mvm on float inputs x (codes: the DAC keeps them), column scale 1 unless given."""
-    wp, corr, sp = _pack(w, var, k, terms, noise)
+    wp, corr, sp, st = _pack(w, var, k, terms, noise)
     lsb, gain, bias = (None if a is None else jnp.asarray(a) for a in (lsb, gain, bias))
     scale = jnp.ones(n, jnp.float32) if scale is None else jnp.asarray(scale)
-    y = jax.jit(lambda c, s: vnni.mvm(c, wp, corr, sp, lsb, gain, scale, bias, s, k=k, n=n, qmax=qmax,
+    y = jax.jit(lambda c, s: vnni.mvm(c, wp, corr, sp, st, lsb, gain, scale, bias, s, k=k, n=n, qmax=qmax,
                                       dac_qmax=127.0))(jnp.asarray(x), jnp.uint32(seed))
     return np.asarray(y)
 
@@ -186,8 +191,8 @@ def _xla_mvm(w, var, x, k, n, terms, seed, lsb, gain, scale, bias, noise=True):
     """sidra_mvm's steps in XLA: quant.quantise_rows, the tile dots, `_xla_read`, then (y * row scale)
     * scale + bias in one jitted program (where XLA contracts the last product into the sum)."""
     codes, xs = jax.jit(lambda x: quantise_rows(x, 8))(jnp.asarray(x))
-    wp, corr, sp = _pack(w, var, k, terms, noise)
-    p, v = jax.jit(lambda c: vnni.tile_dots(c, wp, corr, sp, k=k, n=n))(codes)
+    wp, corr, sp, st = _pack(w, var, k, terms, noise)
+    p, v = jax.jit(lambda c: vnni.tile_dots(c, wp, corr, sp, st, k=k, n=n))(codes)
     t = _xla_read(np.asarray(p), None if v is None else np.asarray(v), seed, lsb, gain)
     return np.asarray(jax.jit(lambda t, xs: (t * xs) * scale + bias)(t, xs)), np.asarray(p)
 
@@ -327,35 +332,40 @@ def test_reads_running_at_once_each_give_their_own_sums():
 @needs_vnni
 def test_an_operand_in_another_layout_is_refused():
     w, var, codes = _operands(4, 300, 40, 2, seed=1)
-    wp, corr, sp = _pack(w, var, 300, 2)
+    wp, corr, sp, st = _pack(w, var, 300, 2)
     xu = jnp.zeros((4, 512), jnp.uint8)
-    x2 = jnp.zeros((4, 512), jnp.bfloat16)
+    x2 = jnp.zeros((4, 2, 512), jnp.uint8)
     empty = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct((4, 40), jnp.float32)
     flat = wp.reshape(wp.shape[0], -1)  # not the packed 6-d layout
     for weights, x, scale in ((flat, codes, jnp.ones(40)), (wp, codes[:, :299], jnp.ones(40)), (wp, codes, empty)):
         with pytest.raises(Exception, match="sidra_mvm: unexpected operand layout"):
             jax.block_until_ready(jax.ffi.ffi_call(vnni.MVM_TARGET, out)(
-                jnp.asarray(x), weights, corr, sp, empty, empty, scale, empty, jnp.uint32(0), k=np.int64(300),
+                jnp.asarray(x), weights, corr, sp, st, empty, empty, scale, empty, jnp.uint32(0), k=np.int64(300),
                 n=np.int64(40), terms=np.int64(2), noise=np.int64(1), qmax=np.float32(127), dac_qmax=np.float32(127)))
     with pytest.raises(Exception, match="sidra_tile_dots: unexpected operand layout"):
         jax.block_until_ready(jax.ffi.ffi_call(vnni.TARGET, (out, out))(
-            xu, x2, flat, corr, sp, k=np.int64(300), n=np.int64(40), terms=np.int64(2), noise=np.int64(1)))
+            xu, x2, flat, corr, sp, st, k=np.int64(300), n=np.int64(40), terms=np.int64(2), noise=np.int64(1)))
+    with pytest.raises(Exception, match="sidra_tile_dots: unexpected operand layout"):  # steps of another weight
+        jax.block_until_ready(jax.ffi.ffi_call(vnni.TARGET, (out, out))(
+            xu, x2, wp, corr, sp, st[:, :20], k=np.int64(300), n=np.int64(40), terms=np.int64(2), noise=np.int64(1)))
 
 
 @needs_vnni
 @pytest.mark.parametrize("terms", [1, 2])
 def test_unpack_inverts_pack_and_zeroes_dead_word_lines(terms):
     w, var, _ = _operands(1, 300, 21, terms, seed=3)
-    wp, corr, sp = jax.jit(vnni.pack, static_argnames=("k", "terms"))(
-        tuple(jnp.asarray(w)), tuple(jnp.asarray(var)), k=300, terms=terms)
+    wp, corr, sp, _ = _pack(w, var, 300, terms)
     back = np.asarray(vnni.unpack(wp, 21))
     want = w.copy()
     want[1, 300 - 256:] = 0  # word lines past K hold nothing the kernel may read
     np.testing.assert_array_equal(back, want)
     np.testing.assert_array_equal(np.asarray(corr).transpose(0, 2, 1, 3).reshape(2, terms, -1)[..., :21],
                                   128 * want.astype(np.int32).sum(axis=1).reshape(2, terms, 21))
-    assert sp.dtype == jnp.bfloat16 and sp.shape == (2, 2, 128, 16, 2)
+    assert sp.dtype == jnp.uint8 and sp.shape == (2, 2, 64, 16, 4)  # the levels in the weights' layout
+    levels = var[0].astype(np.uint8)
+    levels[1, 300 - 256:] = 0
+    np.testing.assert_array_equal(np.asarray(vnni.unpack(sp[:, :, None], 21)), levels)
 
 
 @needs_vnni
