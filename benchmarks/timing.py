@@ -30,12 +30,7 @@ def best_of_rounds(timed: dict, repeat: int, rounds: int, warmup: int = 2) -> di
 
 
 def host_kind() -> str:
-    """Which dots the simulator uses on this host (the ratios depend on it; README, hosts without AMX)."""
+    """Which dots the simulator uses on this host (the ratios depend on it)."""
     from sidra_core import host
 
-    if host.vnni_dots():
-        amx = ", AMX tiles for the other int8/bf16 dots" if host.LOW_PRECISION_DOTS else ""
-        return f"host: crossbar dots by sidra_core.vnni's AVX-512 VNNI/BF16 kernel{amx}"
-    if host.LOW_PRECISION_DOTS:
-        return "host: int8/bf16 dots (AMX tiles)"
-    return "host: float32 dots (no AMX: XLA's int8 and bf16 dots are no faster than float32 here)"
+    return f"host: {host.dots()}"

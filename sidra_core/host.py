@@ -85,6 +85,17 @@ def vnni_dots() -> bool:
     return vnni.available()
 
 
+def dots() -> str:
+    """Which dots this host's crossbar reads and engine INT8 matmuls use, and why (sidra info, the
+    benchmarks' headers, the pytest header)."""
+    if vnni_dots():
+        return "sidra_core.vnni's AVX-512 VNNI kernel" + (" (XLA's other dots: AMX int8/bf16)" if LOW_PRECISION_DOTS else "")
+    if LOW_PRECISION_DOTS:
+        why = "SIDRA_VNNI_DOTS=0" if os.environ.get("SIDRA_VNNI_DOTS") == "0" else "the VNNI kernel is not available"
+        return f"XLA's int8/bf16 dots on AMX tiles ({why})"
+    return "XLA's float32 dots (the portable path)"
+
+
 def narrow_float() -> str:
     """The dtype for dot operands that need only ~0.4 % (read-noise variances) or are small
     integers (INT8 codes, exact in either): bfloat16 where its dots are fast, else float32."""

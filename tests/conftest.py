@@ -10,6 +10,5 @@ def pytest_report_header(config):
     """Which dots this run's crossbar reads use: the host's instructions choose (SIDRA_CPU_FLAGS stands in)."""
     from sidra_core import host
 
-    dots = "VNNI kernel" if host.vnni_dots() else "XLA int8/bf16 (AMX)" if host.LOW_PRECISION_DOTS else "XLA float32 (portable)"
     assumed = os.environ.get("SIDRA_CPU_FLAGS")
-    return f"sidra crossbar dots: {dots}" + (f"; CPU flags assumed: {assumed}" if assumed is not None else "")
+    return f"sidra crossbar dots: {host.dots()}" + (f"; CPU flags assumed: {assumed}" if assumed is not None else "")

@@ -14,6 +14,9 @@ def test_sidra_info(capsys, restore_chip):
         assert word in out
     flat = lambda text: " ".join(text.split())  # noqa: E731  (rich wraps long lines)
     assert "background power 0 W" in flat(out)  # int8 has none; y1's is calibrated
+    from sidra_core import host
+
+    assert f"engine INT8 matmuls by {host.dots()}" in flat(out)  # which kernels run here
     assert cli.main(["info", "--chip", "y1"]) == 0
     assert "background power 2.9 W while busy" in flat(capsys.readouterr().out)
 
