@@ -140,7 +140,7 @@ def engine_matmul(batch: int, m: int, k: int, n: int, spec: ChipSpec) -> Cost:
 
 def attention_dims(q_shape, k_shape, v_shape) -> tuple[int, int, int, int, int]:
     """(batch, seq_q, dim, seq_k, dim_v) of attention over q (..., L, E), k (..., S, E), v (..., S, Ev)."""
-    batch = int(np.prod(np.broadcast_shapes(tuple(q_shape[:-2]), tuple(k_shape[:-2])), dtype=np.int64))
+    batch = math.prod(np.broadcast_shapes(tuple(q_shape[:-2]), tuple(k_shape[:-2])))
     return batch, int(q_shape[-2]), int(q_shape[-1]), int(k_shape[-2]), int(v_shape[-1])
 
 

@@ -204,7 +204,7 @@ class Chip:
         (sidra_core.buckets) of x's rows; priced for its real rows."""
         k, n = res.shape
         lead = np.shape(x)[:-1]
-        rows = int(np.prod(lead, dtype=np.int64))
+        rows = math.prod(lead)
         if bias is not None and np.ndim(bias) > 1:  # a bias per row: padded with the rows
             bias = buckets.pad(buckets.xp(bias).broadcast_to(bias, (*lead, n)), shape=(rows, n))
         snap = self.snapshot(res)
@@ -256,7 +256,7 @@ class Chip:
         *batch, m, kk = np.shape(a)
         n = np.shape(b)[-1]
         lead = np.broadcast_shapes(tuple(batch), tuple(np.shape(b)[:-2]))
-        nb = int(np.prod(lead, dtype=np.int64))
+        nb = math.prod(lead)
         mode = self.spec.engine.matmul
         if np.ndim(b) == 2:  # one right operand: a's batch joins its rows
             y = engine.matmul(buckets.pad(a, shape=(nb * m, kk)), buckets.pad(b, axes=(1,)), mode=mode)
@@ -309,7 +309,7 @@ def _by_rows(fn, x, trailing: int, **kwargs):
     each of fn's outputs (one array or a tuple) is cut back to x's leading shape."""
     shape = np.shape(x)
     lead, row = shape[:len(shape) - trailing], shape[len(shape) - trailing:]
-    rows = int(np.prod(lead, dtype=np.int64))
+    rows = math.prod(lead)
     out = fn(buckets.pad(x, shape=(rows, *row)), **kwargs)
 
     def cut(o):
