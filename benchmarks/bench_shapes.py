@@ -13,6 +13,7 @@ built per kernel (sidra_core.compiles) against the number of distinct shapes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -61,6 +62,29 @@ def _inputs(groups: list[list[int]], vocab: int):
     return out
 
 
+@contextlib.contextmanager
+def programming_time():
+    """Host seconds spent in Chip.program while the block runs (ISPP, lazily at a weight's first use:
+    once per model, not per shape, so it is reported beside the compile figures), as a one-element
+    list; Chip.program is put back after."""
+    from sidra_core.device import Chip
+
+    spent, write = [0.0], Chip.program
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return write(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    Chip.program = timed
+    try:
+        yield spent
+    finally:
+        Chip.program = write
+
+
 def child(workload: str, device: str, passes: int) -> dict:
     """One process: `passes` passes over the workload on `device`, timed; programs built per kernel."""
     import torch
@@ -68,21 +92,7 @@ def child(workload: str, device: str, passes: int) -> dict:
     from transformers import AutoModel
 
     from sidra_core import compiles
-    from sidra_core.device import Chip
 
-    # Host time spent writing weights (ISPP, lazily at a weight's first use): once per model, not per
-    # shape, so it is reported beside the compile figures.
-    programming = [0.0]
-    write = Chip.program
-
-    def timed_program(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return write(*a, **kw)
-        finally:
-            programming[0] += time.perf_counter() - t0
-
-    Chip.program = timed_program
     lengths = sentence_lengths()
     groups = [[n] for n in lengths] if workload == "sentences" else batches(lengths)
     model = AutoModel.from_pretrained(get_model_path()).eval()
@@ -96,15 +106,14 @@ def child(workload: str, device: str, passes: int) -> dict:
     times, built, phases, writes = [], [], [], []
     with torch.inference_mode():
         for _ in range(passes):
-            programming[0] = 0.0
-            with compiles.record() as log:
+            with compiles.record() as log, programming_time() as spent:
                 t0 = time.perf_counter()
                 for ids, mask in inputs:
                     model(input_ids=ids, attention_mask=mask)
                 times.append(time.perf_counter() - t0)
             built.append(dict(log.programs))
             phases.append(log.summary())
-            writes.append(programming[0])
+            writes.append(spent[0])
     shapes = len({(len(group), max(group)) for group in groups})
     return {"times": times, "built": built, "phases": phases, "writes": writes, "shapes": shapes,
             "calls": len(groups)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_shapes.py"
@@ -35,3 +36,15 @@ def test_a_pass_on_the_device_counts_its_programs(bench, monkeypatch):
     assert out["calls"] == 3 and out["shapes"] == 2 and len(out["times"]) == 2
     assert sum(out["built"][0].values()) > 0  # new shapes build programs ...
     assert sum(out["built"][1].values()) == 0  # ... the same shapes again build none
+    assert out["writes"][0] > 0 and out["writes"][1] == 0  # the weights are programmed in the first pass only
+
+
+def test_programming_time_counts_chip_program_and_puts_it_back(bench):
+    from sidra_core.device import Chip
+
+    write = Chip.program
+    chip = Chip.create("int8", seed=0)
+    with bench.programming_time() as spent:
+        chip.program(np.ones((300, 20), np.float32))
+        assert Chip.program is not write
+    assert spent[0] > 0 and Chip.program is write
