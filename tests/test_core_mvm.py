@@ -236,26 +236,31 @@ def int8_dots(monkeypatch):
     _use_dots(monkeypatch, "int8-dots")
 
 
+def _read_in_every_form(st, spec, t_now, x, seed: int, monkeypatch) -> dict:
+    """{form: (snapshot, mvm output)} of one read, for each dot form this host can run."""
+    out = {}
+    for form in DOT_FORMS:
+        if form == "vnni-dots" and not vnni.host_supports():
+            continue
+        _use_dots(monkeypatch, form)
+        snap = sc.snapshot(st, t_now, spec)
+        out[form] = snap, np.asarray(sc.mvm(snap, jnp.asarray(x), jnp.uint32(seed), None, **sc.mvm_kwargs(spec)))
+    return out
+
+
 @pytest.mark.parametrize("spec", [INT8, Y1], ids=["int8", "y1"])
 def test_the_dot_forms_agree(spec, monkeypatch):
     """Every form holds the same integers, (whole, fraction) weight pairs and variance levels, and
     sums them exactly, so the XLA forms (int8 dots where they are fast, float32 elsewhere) and the
     VNNI kernel give the same DAC codes, noise, ADC codes and, here, the same bits."""
     w, x = _rand((600, 300), 7, 0.05), _rand((9, 600), 8)
-    st = sc.program(w, spec, seed=2)
-    out = {}
-    for form in DOT_FORMS:
-        if form == "vnni-dots" and not vnni.host_supports():
-            continue
-        _use_dots(monkeypatch, form)
-        snap = sc.snapshot(st, 60.0, spec)
+    out = _read_in_every_form(sc.program(w, spec, seed=2), spec, 60.0, x, 4, monkeypatch)
+    var_dtypes = {"float32-dots": jnp.float32, "int8-dots": jnp.bfloat16, "vnni-dots": jnp.uint8}
+    for form, (snap, got) in out.items():
         assert snap.shape.packed == (form == "vnni-dots")
         assert snap.w[0].dtype == (jnp.float32 if form == "float32-dots" else jnp.int8)
-        var_dtype = {"float32-dots": jnp.float32, "int8-dots": jnp.bfloat16, "vnni-dots": jnp.uint8}[form]
-        assert snap.var is None or snap.var[0].dtype == var_dtype
-        out[form] = np.asarray(sc.mvm(snap, jnp.asarray(x), jnp.uint32(4), None, **sc.mvm_kwargs(spec)))
-    for form, got in out.items():
-        np.testing.assert_array_equal(got, out["int8-dots"], err_msg=form)
+        assert snap.var is None or snap.var[0].dtype == var_dtypes[form]
+        np.testing.assert_array_equal(got, out["int8-dots"][1], err_msg=form)
 
 
 @pytest.mark.parametrize("k,n,rows", [(256, 100, 5), (384, 1536, 37), (1536, 384, 48), (100, 10, 3), (1100, 40, 7)])
@@ -264,16 +269,9 @@ def test_every_form_gives_the_same_adc_codes(k, n, rows, monkeypatch):
     gives the same codes; where XLA contracts a product of the tile sum into an FMA and the kernel
     does not, results differ in the last bits only (an ADC code is a step of ~1e-2 here)."""
     w, x = _rand((k, n), k, 0.05), _rand((rows, k), n)
-    st = sc.program(w, Y1, seed=3)
-    out = {}
-    for form in DOT_FORMS:
-        if form == "vnni-dots" and not vnni.host_supports():
-            continue
-        _use_dots(monkeypatch, form)
-        snap = sc.snapshot(st, DAY, Y1)
-        out[form] = np.asarray(sc.mvm(snap, jnp.asarray(x), jnp.uint32(9), None, **sc.mvm_kwargs(Y1)))
-    ref = out["int8-dots"]
-    for form, got in out.items():
+    out = _read_in_every_form(sc.program(w, Y1, seed=3), Y1, DAY, x, 9, monkeypatch)
+    ref = out["int8-dots"][1]
+    for form, (_, got) in out.items():
         np.testing.assert_allclose(got, ref, rtol=0, atol=4 * np.spacing(np.abs(ref).max()), err_msg=form)
 
 
@@ -330,8 +328,6 @@ def test_float_weights_behind_an_int8_dac_stay_float32():
 def test_int8_pairs_hold_the_analog_weights_to_a_508th_of_a_code(t_now, int8_dots):
     """The int8 (whole, fraction) snapshot of y1 weights (programming error, IR drop, drift) against
     the float32 one a DAC without int8 codes gets; its MVM equals a float64 matmul of those weights."""
-    from sidra_core import crossbar
-
     w = _rand((300, 300), 2, 0.05)
     st = sc.program(w, Y1, seed=3)
     snap = sc.snapshot(st, t_now, Y1)
