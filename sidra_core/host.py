@@ -70,7 +70,7 @@ LOW_PRECISION_DOTS: bool = _low_precision_dots()
 
 def vnni_dots() -> bool:
     """Whether a snapshot of INT8 DAC-code weights is packed for `sidra_core.vnni`'s custom call
-    (the partial sums as AVX-512 VNNI dots, the variances as BF16 dots).
+    (the partial sums and the read-noise variances as AVX-512 VNNI dots).
 
     Used wherever the CPU has the instructions and a C++ compiler built it (`vnni.available()`),
     AMX hosts included: there XLA's int8 dot is as fast at 1024 rows, but at the few rows of eager

@@ -170,9 +170,10 @@ def mvm(x, wp, corr, sp, step, lsb, gain, scale, bias, seed, *, k: int, n: int, 
     """y (rows, N) of float32 inputs x (rows, K) as `crossbar.mvm` computes it, the same bits
     (but where XLA contracts a product the kernel rounds, see the tests): the DAC (per-row codes
     of +-dac_qmax, `quant.quantise_rows`), each tile's partial sums, with variance levels `sp` of
-    `step` (grid_k, N) plus read noise drawn as `crossbar.mvm` draws it (`seed`), through the ADC of step `lsb` (grid_k, N) and
-    +-qmax codes when given, times the drift gain (grid_k, N) when given; the tile sum times
-    each row's DAC scale and the column `scale` (N,), plus `bias` (N,) when given."""
+    `step` (grid_k, N) plus read noise drawn as `crossbar.mvm` draws it (`seed`), through the ADC
+    of step `lsb` (grid_k, N) and +-qmax codes when given, times the drift gain (grid_k, N) when
+    given; the tile sum times each row's DAC scale and the column `scale` (N,), plus `bias` (N,)
+    when given."""
     terms = wp.shape[2]
     noise = sp is not None
     empty = jnp.zeros((0,), jnp.float32)

@@ -333,8 +333,9 @@ void dots_item(const Job& j, int64_t item) {
 // One row's INT8 codes as sidra_core.quant.quantise_rows makes them, operation for operation:
 // scale = max|x| / qmax (1 for an all-zero row; as XLA computes it, times the constant's
 // reciprocal), codes = clip(round half to even(x / scale), +-qmax), stored as codes + 128 (uint8)
-// and, unless x2 is null, codes^2 as two 7-bit halves (hi at x2, lo at x2 + kp); entries k..kp get code 0. A row holding a NaN or
-// an infinity has no codes: its scale is NaN, so are its outputs. Returns the scale.
+// and, unless x2 is null, codes^2 as two 7-bit halves (hi at x2, lo at x2 + kp); entries k..kp get
+// code 0. A row holding a NaN or an infinity has no codes: its scale is NaN, so are its outputs.
+// Returns the scale.
 float quantise_row(const float* x, int64_t k, int64_t kp, float qmax, uint8_t* xu, uint8_t* x2) {
   const __m512 inf = _mm512_set1_ps(__builtin_inff());
   __m512 amax = _mm512_setzero_ps();
@@ -394,7 +395,8 @@ void read_item(const Job& j, int64_t item) {
   const int64_t col0 = v0 * kLanes;
   once(j.ready[item % j.blocks], [&] {  // the block's DAC codes, made by the first item that needs them
     for (int64_t r = row0; r < row0 + nrows; ++r)
-      j.xscale[r] = quantise_row(j.x + r * q.k, q.k, q.kp, j.dac_qmax, j.xu + r * q.kp, j.x2 ? j.x2 + r * 2 * q.kp : nullptr);
+      j.xscale[r] = quantise_row(j.x + r * q.k, q.k, q.kp, j.dac_qmax, j.xu + r * q.kp,
+                                 j.x2 ? j.x2 + r * 2 * q.kp : nullptr);
   });
   constexpr int kW = kPanel * kLanes;
   alignas(64) float p[kReadRows * kW], v[kReadRows * kW], z1[kReadRows * kW], y[kReadRows * kW];
@@ -852,14 +854,16 @@ ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::U8> x2, ffi::Buffe
 // `gain`; both (grid_k, N) or empty), times each row's DAC scale and the column `scale` (N,),
 // plus `bias` (N,) if not empty.
 ffi::Error Mvm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::U8> s,
-               ffi::Buffer<ffi::F32> step, ffi::Buffer<ffi::F32> lsb, ffi::Buffer<ffi::F32> gain, ffi::Buffer<ffi::F32> scale,
+               ffi::Buffer<ffi::F32> step, ffi::Buffer<ffi::F32> lsb, ffi::Buffer<ffi::F32> gain,
+               ffi::Buffer<ffi::F32> scale,
                ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::U32> seed, int64_t k, int64_t n, int64_t terms,
                int64_t noise, float qmax, float dac_qmax, ffi::ResultBuffer<ffi::F32> y) {
   auto job = std::make_shared<Job>();
   Job& j = *job;
   const auto xd = x.dimensions();
-  if (!weights(w, corr, s, step, k, n, terms, noise, j.q) || xd.size() != 2 || xd[1] != k || seed.element_count() != 1 ||
-      scale.element_count() != n || (bias.element_count() != 0 && bias.element_count() != n))
+  if (!weights(w, corr, s, step, k, n, terms, noise, j.q) || xd.size() != 2 || xd[1] != k ||
+      seed.element_count() != 1 || scale.element_count() != n ||
+      (bias.element_count() != 0 && bias.element_count() != n))
     return ffi::Error::InvalidArgument("sidra_mvm: unexpected operand layout");
   const int64_t rows = xd[0];
   j.q.rows = rows;

@@ -275,6 +275,23 @@ def test_every_form_gives_the_same_adc_codes(k, n, rows, monkeypatch):
         np.testing.assert_allclose(got, ref, rtol=0, atol=4 * np.spacing(np.abs(ref).max()), err_msg=form)
 
 
+def test_dots_names_the_kernels_that_run_here(monkeypatch):
+    """host.dots() (sidra info, the benchmark and pytest headers) follows the choices a read makes."""
+    from sidra_core import host
+
+    for amx in (True, False):
+        monkeypatch.setattr(host, "LOW_PRECISION_DOTS", amx)
+        monkeypatch.setattr(host, "vnni_dots", lambda: True)
+        assert host.dots().startswith("sidra_core.vnni's AVX-512 VNNI kernel") and ("AMX" in host.dots()) == amx
+        monkeypatch.setattr(host, "vnni_dots", lambda: False)
+        monkeypatch.setenv("SIDRA_VNNI_DOTS", "0")
+        want = "XLA's int8/bf16 dots on AMX tiles (SIDRA_VNNI_DOTS=0)" if amx else "XLA's float32 dots (the portable path)"
+        assert host.dots() == want
+    monkeypatch.setattr(host, "LOW_PRECISION_DOTS", True)
+    monkeypatch.delenv("SIDRA_VNNI_DOTS")
+    assert host.dots() == "XLA's int8/bf16 dots on AMX tiles (the VNNI kernel is not available)"
+
+
 def test_host_without_amx_prefers_float32_dots(monkeypatch):
     from sidra_core import host
 
