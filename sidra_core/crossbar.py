@@ -810,6 +810,31 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     return y if bias is None else y + bias
 
 
+def direct(snap: Snapshot, x, bias=None) -> bool:
+    """Whether a read of host input x runs by `mvm_direct`: a packed snapshot, concrete float32
+    inputs (not traced) and at most a per-column bias."""
+    return (snap.shape.packed and not isinstance(x, jax.core.Tracer) and getattr(x, "dtype", None) == np.float32
+            and (bias is None or (not isinstance(bias, jax.core.Tracer) and np.ndim(bias) <= 1)))
+
+
+def mvm_direct(snap: Snapshot, x: np.ndarray, seed: int, bias=None, *, dac_bits: int | None = 8,
+               adc_bits: int = 8) -> np.ndarray:
+    """`mvm` of a packed snapshot (`direct`) on a host array x (rows, K): the same bits, without an
+    XLA program, so a new row count costs no compile and no padding."""
+    s = snap.shape
+    if x.shape[-1] != s.k:
+        raise ValueError(f"mvm input has {x.shape[-1]} features but the weight has K = {s.k}")
+    if dac_bits is None or dac_bits > _INT8_BITS:
+        raise ValueError(f"this snapshot holds int8 weights for DAC codes of <= {_INT8_BITS} bits, "
+                         f"got dac_bits={dac_bits}: run it with the settings of the chip that made it "
+                         f"(mvm_kwargs(spec))")
+    b = None if bias is None else np.ascontiguousarray(np.broadcast_to(np.asarray(bias, np.float32), (s.n,)))
+    noise = snap.var is not None
+    return vnni.mvm_direct(np.ascontiguousarray(x, np.float32), snap.w[0], snap.corr, snap.var[0] if noise else None,
+                           snap.var_scale if noise else None, snap.lsb, snap.gain, snap.scale, b, seed,
+                           k=s.k, n=s.n, qmax=float(2 ** (adc_bits - 1) - 1), dac_qmax=float(2 ** (dac_bits - 1) - 1))
+
+
 def mvm_kwargs(spec: ChipSpec) -> dict:
     """The static kernel settings a chip implies."""
     return {"dac_bits": spec.dac.bits if spec.dac.enabled else None, "adc_bits": spec.adc.bits}

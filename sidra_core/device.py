@@ -208,9 +208,13 @@ class Chip:
         if bias is not None and np.ndim(bias) > 1:  # a bias per row: padded with the rows
             bias = buckets.pad(buckets.xp(bias).broadcast_to(bias, (*lead, n)), shape=(rows, n))
         snap = self.snapshot(res)
+        self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
+        if crossbar.direct(snap, x, bias):
+            y = crossbar.mvm_direct(snap, np.asarray(x).reshape(rows, k), self.next_seed(), bias,
+                                    **crossbar.mvm_kwargs(self.spec))
+            return buckets.put(y.reshape(*lead, n))
         y = crossbar.mvm(snap, buckets.pad(x, shape=(rows, k)), np.uint32(self.next_seed()), bias,
                          **crossbar.mvm_kwargs(self.spec))
-        self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
         return buckets.take(y, (rows, n), (*lead, n))
 
     def conv(self, res: Resident, x, w_shape, bias=None, stride=1, padding=0, dilation=1):

@@ -77,11 +77,27 @@ def load(path: Path | None = None) -> None:
     if not path.exists():
         _build(path)
     lib = ctypes.CDLL(str(path))
+    _direct_mvm(lib)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SidraTileDots), platform="cpu")
     jax.ffi.register_ffi_target(MVM_TARGET, jax.ffi.pycapsule(lib.SidraMvm), platform="cpu")
     jax.ffi.register_ffi_target(ENGINE_MATMUL_TARGET, jax.ffi.pycapsule(lib.SidraEngineMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SidraAttention), platform="cpu")
     jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.SidraPackTiles), platform="cpu")
+
+
+_LIB: dict = {}
+
+
+def _direct_mvm(lib) -> None:
+    """The kernel's C entry point for reads outside XLA (mvm_direct), typed."""
+    import ctypes
+
+    f = lib.sidra_mvm_direct
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    f.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, ctypes.c_uint32,
+                  ctypes.c_float, ctypes.c_float, p]
+    f.restype = ctypes.c_int
+    _LIB["mvm"] = f
 
 
 def host_supports() -> bool:
@@ -185,6 +201,30 @@ def mvm(x, wp, corr, sp, step, lsb, gain, scale, bias, seed, *, k: int, n: int, 
         empty if gain is None else gain, scale, empty if bias is None else bias,
         jnp.asarray(0 if seed is None else seed, jnp.uint32), k=np.int64(k), n=np.int64(n), terms=np.int64(terms),
         noise=np.int64(noise), qmax=np.float32(qmax), dac_qmax=np.float32(dac_qmax))
+
+
+def _address(a) -> int | None:
+    """The host address of a dense array's data (None for None)."""
+    if a is None:
+        return None
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.unsafe_buffer_pointer()
+
+
+def mvm_direct(x: np.ndarray, wp, corr, sp, step, lsb, gain, scale, bias, seed: int, *, k: int, n: int,
+               qmax: float, dac_qmax: float) -> np.ndarray:
+    """`mvm` on a host array x (rows, K) float32, C-contiguous, called straight into the kernel: no
+    XLA program, so any row count runs without a compile or padding (the same bits: each row's
+    noise draws are keyed by its row index alone). The weights are the snapshot's jax arrays."""
+    if not available():
+        raise RuntimeError("the VNNI kernel does not run on this host (sidra_core.vnni.available() is False)")
+    rows = x.shape[0]
+    y = np.empty((rows, n), np.float32)
+    gk, nv, terms = wp.shape[0], wp.shape[1], wp.shape[2]
+    if _LIB["mvm"](x.ctypes.data, rows, _address(wp), _address(corr), _address(sp), _address(step),
+                   gk, nv, k, n, terms, _address(lsb), _address(gain), _address(scale), _address(bias),
+                   int(seed), qmax, dac_qmax, y.ctypes.data):
+        raise ValueError("sidra_mvm_direct: unexpected operand layout")
+    return y
 
 
 def engine_matmul(a, b, *, qmax: float = 127.0):

@@ -851,37 +851,29 @@ ffi::Error TileDots(ffi::Buffer<ffi::U8> xu, ffi::Buffer<ffi::U8> x2, ffi::Buffe
 
 // The whole MVM on float32 inputs x (rows, K): the DAC (codes of +-dac_qmax per row), then
 // y (rows, N) = sum over tiles of ADC(p + sqrt(v) z) (the ADC only with `lsb`, the gain only with
-// `gain`; both (grid_k, N) or empty), times each row's DAC scale and the column `scale` (N,),
-// plus `bias` (N,) if not empty.
-ffi::Error Mvm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::U8> s,
-               ffi::Buffer<ffi::F32> step, ffi::Buffer<ffi::F32> lsb, ffi::Buffer<ffi::F32> gain,
-               ffi::Buffer<ffi::F32> scale,
-               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::U32> seed, int64_t k, int64_t n, int64_t terms,
-               int64_t noise, float qmax, float dac_qmax, ffi::ResultBuffer<ffi::F32> y) {
+// `gain`; both (grid_k, N) or null), times each row's DAC scale and the column `scale` (N,),
+// plus `bias` (N,) if not null. q holds the packed weights (weights()).
+void run_mvm(const Problem& q, int64_t rows, const float* x, const float* lsb, const float* gain,
+             const float* scale, const float* bias, uint32_t seed, float qmax, float dac_qmax, float* y) {
   auto job = std::make_shared<Job>();
   Job& j = *job;
-  const auto xd = x.dimensions();
-  if (!weights(w, corr, s, step, k, n, terms, noise, j.q) || xd.size() != 2 || xd[1] != k ||
-      seed.element_count() != 1 || scale.element_count() != n ||
-      (bias.element_count() != 0 && bias.element_count() != n))
-    return ffi::Error::InvalidArgument("sidra_mvm: unexpected operand layout");
-  const int64_t rows = xd[0];
+  j.q = q;
   j.q.rows = rows;
-  j.x = x.typed_data();
+  j.x = x;
   j.dac_qmax = dac_qmax;
   // the DAC codes, owned by the job (a helper may still hold it after the call returns)
   j.xu_buf.reset(new uint8_t[rows * j.q.kp]);
-  if (noise) j.x2_buf.reset(new uint8_t[rows * 2 * j.q.kp]);
+  if (q.s) j.x2_buf.reset(new uint8_t[rows * 2 * j.q.kp]);
   j.xscale_buf.reset(new float[rows]);
   j.q.xu = j.xu = j.xu_buf.get();
   j.q.x2 = j.x2 = j.x2_buf.get();
   j.xscale = j.xscale_buf.get();
-  j.y = y->typed_data();
-  j.lsb = lsb.element_count() ? lsb.typed_data() : nullptr;
-  j.gain = gain.element_count() ? gain.typed_data() : nullptr;
-  j.scale = scale.typed_data();
-  j.bias = bias.element_count() ? bias.typed_data() : nullptr;
-  j.seed = seed.typed_data()[0];
+  j.y = y;
+  j.lsb = lsb;
+  j.gain = gain;
+  j.scale = scale;
+  j.bias = bias;
+  j.seed = seed;
   j.qmax = qmax;
   j.panels = (j.q.nv + kPanel - 1) / kPanel;
   j.blocks = (rows + kReadRows - 1) / kReadRows;
@@ -892,6 +884,24 @@ ffi::Error Mvm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi:
   work->item = [job](int64_t i) { read_item(*job, i); };
   work->items = j.panels * j.blocks;
   execute(work, macs(j.q));
+}
+
+ffi::Error Mvm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::S32> corr, ffi::Buffer<ffi::U8> s,
+               ffi::Buffer<ffi::F32> step, ffi::Buffer<ffi::F32> lsb, ffi::Buffer<ffi::F32> gain,
+               ffi::Buffer<ffi::F32> scale,
+               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::U32> seed, int64_t k, int64_t n, int64_t terms,
+               int64_t noise, float qmax, float dac_qmax, ffi::ResultBuffer<ffi::F32> y) {
+  Problem q;
+  const auto xd = x.dimensions();
+  if (!weights(w, corr, s, step, k, n, terms, noise, q) || xd.size() != 2 || xd[1] != k ||
+      seed.element_count() != 1 || scale.element_count() != n ||
+      (bias.element_count() != 0 && bias.element_count() != n))
+    return ffi::Error::InvalidArgument("sidra_mvm: unexpected operand layout");
+  if (!noise) q.s = nullptr;
+  run_mvm(q, xd[0], x.typed_data(), lsb.element_count() ? lsb.typed_data() : nullptr,
+          gain.element_count() ? gain.typed_data() : nullptr, scale.typed_data(),
+          bias.element_count() ? bias.typed_data() : nullptr, seed.typed_data()[0], qmax, dac_qmax,
+          y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -1019,6 +1029,19 @@ ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::U8> s, int64_t k, 
 }
 
 }  // namespace
+
+// The MVM of Mvm called directly on host buffers (no XLA program: any row count, no compile).
+// w, corr, s as vnni.pack lays them out, grid_k tiles of nv vectors; s, step null without read
+// noise; lsb, gain, bias null when absent. Returns 0, or 1 for a layout Mvm would refuse.
+extern "C" int sidra_mvm_direct(const float* x, int64_t rows, const int8_t* w, const int32_t* corr,
+                                const uint8_t* s, const float* step, int64_t grid_k, int64_t nv, int64_t k,
+                                int64_t n, int64_t terms, const float* lsb, const float* gain, const float* scale,
+                                const float* bias, uint32_t seed, float qmax, float dac_qmax, float* y) {
+  if ((terms != 1 && terms != 2) || k > grid_k * kTileRows || n > nv * kLanes || rows < 0) return 1;
+  Problem q{nullptr, nullptr, w, corr, s, step, rows, k, n, grid_k, nv, grid_k * kTileRows, static_cast<int>(terms)};
+  if (rows) run_mvm(q, rows, x, lsb, gain, scale, bias, seed, qmax, dac_qmax, y);
+  return 0;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraPackTiles, PackTiles,
                               ffi::Ffi::Bind()

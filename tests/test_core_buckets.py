@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sidra_core as sc
-from sidra_core import buckets, compiles, engine
+from sidra_core import buckets, compiles, crossbar, engine, host
 
 # The chips whose reads are integer arithmetic (INT8 DAC codes): bit-identical padded or not.
 INTEGER_CHIPS = ["y1", "int8"]
@@ -56,7 +56,7 @@ def test_bucket_sizes():
 
 @pytest.mark.parametrize("chip_name", INTEGER_CHIPS)
 @pytest.mark.parametrize("k,n", [(384, 384), (700, 10), (600, 300)])
-def test_linear_padded_gives_the_unpadded_bits_and_charges(chip_name, k, n, unpadded):
+def test_linear_padded_gives_the_unpadded_bits_and_charges(chip_name, k, n, unpadded, monkeypatch):
     chip = sc.Chip.create(chip_name, seed=1)
     res = chip.program(np.asarray(_x((k, n), 1, 0.05)))
     xs = [_x((1, rows, k), rows) for rows in (1, 5, 37, 50, 100)]
@@ -65,10 +65,18 @@ def test_linear_padded_gives_the_unpadded_bits_and_charges(chip_name, k, n, unpa
     def run(c):
         return [np.asarray(c.linear(res, x, bias)) for x in xs] + [np.asarray(c.linear(res, xs[2], per_row))]
 
-    padded, exact, marks = _twice(chip, unpadded, run)
+    with monkeypatch.context() as m:  # padded: the XLA program at each bucket
+        m.setattr(crossbar, "direct", lambda *a: False)
+        chip.manual_seed(11)
+        before = chip.clock.counters
+        padded = run(chip)
+        charged = chip.clock.counters
+    chip.manual_seed(11)
+    unpadded()  # each row count as it is: the direct read where the snapshot is packed, else XLA
+    exact = run(chip)
     for a, b in zip(padded, exact):
         np.testing.assert_array_equal(a, b)
-    _same_charges(marks)
+    _same_charges((before, charged, chip.clock.counters))
 
 
 def test_ideal_linear_padded_agrees_to_float32_rounding(unpadded):
@@ -147,8 +155,10 @@ def test_engine_matmul_padded_gives_the_unpadded_bits_and_charges(a_shape, b_sha
     _same_charges(marks)
 
 
-def test_twenty_row_counts_compile_a_program_per_bucket(unpadded):
-    """20 distinct row counts (5-60) compile one MVM and one GELU program per bucket; unpadded, 20 each."""
+def test_twenty_row_counts_compile_a_program_per_bucket(unpadded, monkeypatch):
+    """20 distinct row counts (5-60) compile one MVM (XLA's read) and one GELU program per bucket;
+    unpadded, 20 each."""
+    monkeypatch.setattr(crossbar, "direct", lambda *a: False)
     chip = sc.Chip.create("y1")
     res = chip.program(np.asarray(_x((97, 45), 1, 0.05)))  # a shape no other test compiles
     counts = sorted({int(r) for r in np.linspace(5, 60, 20)})
@@ -165,6 +175,21 @@ def test_twenty_row_counts_compile_a_program_per_bucket(unpadded):
         for x in xs:
             chip.linear(res, x)
     assert exact.programs["jit(mvm)"] == 20 - len(set(counts) & sizes)  # a row count that is a bucket is built
+
+
+@pytest.mark.skipif(not host.vnni_dots(), reason="reads go direct only to the VNNI kernel's packed "
+                    "snapshots, which this host does not use (sidra_core.host.vnni_dots() is False)")
+def test_direct_reads_compile_no_program_at_any_row_count():
+    """Where the snapshot is packed for the VNNI kernel, an eager read calls the kernel on host
+    buffers: no MVM program at any row count, and no padding."""
+    chip = sc.Chip.create("y1")
+    res = chip.program(np.asarray(_x((97, 45), 1, 0.05)))
+    assert chip.snapshot(res).shape.packed
+    with compiles.record() as log:
+        for rows in range(1, 21):
+            y = chip.linear(res, _x((rows, 97), rows))
+            assert y.shape == (rows, 45)
+    assert "jit(mvm)" not in log.programs
 
 
 def test_a_traced_op_runs_at_its_own_shape():

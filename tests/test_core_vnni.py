@@ -235,6 +235,41 @@ def test_the_whole_mvm_takes_the_xla_paths_steps(rows, k, n, terms):
 
 
 @needs_vnni
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("rows,k,n,noise,adc", [
+    (0, 300, 70, True, True), (1, 1, 1, True, True), (7, 256, 64, False, False), (25, 515, 130, True, True),
+    (37, 384, 1536, True, False), (300, 768, 512, True, True)])
+def test_a_direct_read_is_the_custom_calls_to_the_bit(rows, k, n, noise, adc, terms):
+    """vnni.mvm_direct (host buffers, no XLA program) runs the custom call's read: the same bits at
+    any row count, with and without noise, ADC, gain and bias."""
+    w, var, _ = _operands(max(rows, 1), k, n, terms, seed=rows + 3 * n)
+    x = _inputs(rows, k, seed=rows + k) if rows else np.zeros((0, k), np.float32)
+    rs = np.random.default_rng(n)
+    gk = w.shape[0]
+    lsb = (rs.random((gk, n)) * 300 + 50).astype(np.float32) if adc else None
+    gain = (1 + 0.1 * rs.random((gk, n))).astype(np.float32) if adc else None
+    scale, bias = rs.random(n).astype(np.float32) / 100, rs.standard_normal(n).astype(np.float32)
+    for b in (None, bias):
+        want = _read(w, var, x, k, n, terms, seed=9, noise=noise, lsb=lsb, gain=gain, scale=scale, bias=b)
+        wp, corr, sp, st = _pack(w, var, k, terms, noise)
+        got = vnni.mvm_direct(x, wp, corr, sp, st, None if lsb is None else jnp.asarray(lsb),
+                              None if gain is None else jnp.asarray(gain), jnp.asarray(scale), b, 9,
+                              k=k, n=n, qmax=127.0, dac_qmax=127.0)
+        assert got.shape == (rows, n) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+
+
+@needs_vnni
+def test_a_direct_read_in_another_layout_is_refused():
+    w, var, _ = _operands(2, 300, 40, 1, seed=1)
+    wp, corr, sp, st = _pack(w, var, 300, 1)
+    x = _inputs(2, 300, seed=1)
+    with pytest.raises(ValueError, match="unexpected operand layout"):  # N past the packed vectors
+        vnni.mvm_direct(x, wp, corr, sp, st, None, None, jnp.ones(64, jnp.float32), None, 1, k=300, n=64,
+                        qmax=127.0, dac_qmax=127.0)
+
+
+@needs_vnni
 def test_a_row_with_a_nan_or_an_infinity_gives_nans_and_leaves_the_others():
     w, var, _ = _operands(6, 300, 40, 2, seed=2)
     x = _inputs(6, 300, seed=3)
@@ -382,6 +417,7 @@ def test_a_fresh_build_exports_every_kernel(tmp_path):
     vnni._build(tmp_path / "k.so")
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     assert lib.SidraTileDots and lib.SidraMvm and lib.SidraEngineMatmul and lib.SidraPackTiles
+    assert lib.sidra_mvm_direct
     assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
 
 
