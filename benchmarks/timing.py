@@ -30,7 +30,7 @@ def best_of_rounds(timed: dict, repeat: int, rounds: int, warmup: int = 2) -> di
 
 
 def host_kind() -> str:
-    """Which dots the simulator uses on this host (the ratios depend on it)."""
+    """Which dots and which ISPP the simulator uses on this host (the ratios depend on them)."""
     from sidra_core import host
 
-    return f"host: {host.dots()}"
+    return f"host: {host.dots()}; ISPP by {host.programming()}"

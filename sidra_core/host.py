@@ -96,6 +96,23 @@ def dots() -> str:
     return "XLA's float32 dots (the portable path)"
 
 
+def native_ispp() -> bool:
+    """Whether ISPP write-verify runs cell by cell in the native kernel library (sidra_core.vnni's
+    build, the same bits as XLA's chunks) rather than in XLA: where that library runs, unless
+    SIDRA_NATIVE_ISPP=0."""
+    from . import vnni
+
+    return os.environ.get("SIDRA_NATIVE_ISPP") != "0" and vnni.available()
+
+
+def programming() -> str:
+    """Where ISPP write-verify runs on this host, and why (sidra info, the benchmarks' headers)."""
+    if native_ispp():
+        return "sidra_core.vnni's native library, cell by cell"
+    why = "SIDRA_NATIVE_ISPP=0" if os.environ.get("SIDRA_NATIVE_ISPP") == "0" else "the native library is not available"
+    return f"XLA, in chunks of pulses ({why})"
+
+
 def narrow_float() -> str:
     """The dtype for dot operands that need only ~0.4 % (read-noise variances) or are small
     integers (INT8 codes, exact in either): bfloat16 where its dots are fast, else float32."""

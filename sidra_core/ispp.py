@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import host, rng
+from . import host, rng, vnni
 from .blocks import BLOCK, map_blocks
 from .spec import ChipSpec
 
@@ -110,8 +110,12 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
     seed_u = np.uint32(rng.seed32(seed, 0x15BB))
     relax_seed = np.uint32(rng.seed32(seed, 0x4E1A))
     verify = (tol_u, float(spec.noise.read_sigma), g_min_u, float(t.g_min), float(span))
-    (failed,) = map_blocks(lambda a, b, i: _first_verify(a, b, i, seed_u, verify),
-                           [g_start, g_target, cell_ids], [0, 0, 0], size=BLOCK * 4)
+    native = host.native_ispp()
+    if native:
+        failed = vnni.ispp_verify(g_start, g_target, cell_ids, seed_u, *verify)
+    else:
+        (failed,) = map_blocks(lambda a, b, i: _first_verify(a, b, i, seed_u, verify),
+                               [g_start, g_target, cell_ids], [0, 0, 0], size=BLOCK * 4)
     failed = np.flatnonzero(failed)
     # A stuck cell never moves, so write-verify pulses it until it gives up.
     out_pulses[failed[stuck[failed]]] = n.max_pulses
@@ -125,6 +129,13 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
     ids = cell_ids[idx]
     params = (tol_u, float(spec.noise.read_sigma), float(n.step0), float(n.ramp), float(n.c2c_sigma),
               int(n.max_pulses), g_min_u, float(spec.noise.prog_relax_sigma), float(t.g_min), float(span))
+
+    if native:  # each cell to its end at once: no chunks, no compaction
+        g_end, pulses = vnni.ispp_pulses(u, target, ids, seed_u, relax_seed, params)
+        out_pulses[idx] = pulses
+        moved = pulses > 0
+        g[idx[moved]] = g_end[moved]
+        return ISPPResult(g=g, pulses=out_pulses)
 
     def chunk(u_, tgt, pk, i):
         return _pulse_chunk(u_, tgt, pk, i, seed_u, relax_seed, params)

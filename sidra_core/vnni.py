@@ -5,9 +5,12 @@ instructions do int8 MACs at 4x its float32 FMA rate (torch's oneDNN int8 GEMM s
 AMX, XLA's int8 dot is slow at the few rows of eager calls, where these read pre-packed tiles. One
 call computes every tile's INT8 partial sums and exact read-noise variances (`tile_dots`);
 the MVM's (`mvm`) is the whole read: the DAC, those dots, the noise draw, the ADC, the tile sum
-and the dequantisation in one pass, drawing the noise as `sidra_core.rng.box_muller` does. It is compiled once per source
-and jaxlib version into the user's cache (a C++ compiler is needed; without one, or on a CPU
-without AVX-512 VNNI and BF16, `available()` is false and the XLA dots are used).
+and the dequantisation in one pass, drawing the noise as `sidra_core.rng.box_muller` does;
+`mvm_direct` is that read called straight on host buffers (eager reads: no XLA program at any row
+count), and `ispp_verify` / `ispp_pulses` are ISPP write-verify cell by cell (the same bits as
+sidra_core.ispp's XLA chunks). It is compiled once per source and jaxlib version into the user's
+cache (a C++ compiler is needed; without one, or on a CPU without AVX-512 VNNI and BF16,
+`available()` is false and XLA's dots and ISPP are used).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ MAX_ENGINE_K = 65536  # the engine matmul sums a row in one int32
 PACK_TARGET = "sidra_pack_tiles"
 _SOURCE = Path(__file__).with_name("vnni_dots.cc")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
-          "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma", "-ffp-contract=off")
+          "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma", "-ffp-contract=off", "-fno-math-errno",
+          "-fno-trapping-math")
 _CPU_FEATURES = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
 
 TILE_ROWS = 256
@@ -98,6 +102,14 @@ def _direct_mvm(lib) -> None:
                   ctypes.c_float, ctypes.c_float, p]
     f.restype = ctypes.c_int
     _LIB["mvm"] = f
+    f, u32, f32 = lib.sidra_ispp_verify, ctypes.c_uint32, ctypes.c_float
+    f.argtypes = [p, p, p, i64, u32, f32, f32, f32, f32, f32, p]
+    f.restype = None
+    _LIB["ispp_verify"] = f
+    f = lib.sidra_ispp_pulses
+    f.argtypes = [p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p]
+    f.restype = None
+    _LIB["ispp_pulses"] = f
 
 
 def host_supports() -> bool:
@@ -225,6 +237,33 @@ def mvm_direct(x: np.ndarray, wp, corr, sp, step, lsb, gain, scale, bias, seed: 
                    int(seed), qmax, dac_qmax, y.ctypes.data):
         raise ValueError("sidra_mvm_direct: unexpected operand layout")
     return y
+
+
+def _flat(a, dtype) -> np.ndarray:
+    return np.ascontiguousarray(np.ravel(a), dtype)
+
+
+def ispp_verify(g0, g1, ids, seed: int, tol_u: float, read_sigma: float, g_min_u: float, g_min: float,
+                span: float) -> np.ndarray:
+    """`ispp._first_verify` in the kernel's threads (the same bits): whether each cell fails its
+    first verify read."""
+    g0, g1, ids = _flat(g0, np.float32), _flat(g1, np.float32), _flat(ids, np.uint32)
+    failed = np.empty(g0.size, np.uint8)
+    _LIB["ispp_verify"](g0.ctypes.data, g1.ctypes.data, ids.ctypes.data, g0.size, int(seed), tol_u, read_sigma,
+                        g_min_u, g_min, span, failed.ctypes.data)
+    return failed.view(bool)
+
+
+def ispp_pulses(u, target, ids, seed: int, relax_seed: int, params: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """`ispp._pulse_chunk` repeated until every cell is done, cell by cell in the kernel's threads (the
+    same bits): each cell's final G (siemens) and pulses given. `params` as _pulse_chunk's."""
+    u, target, ids = _flat(u, np.float32), _flat(target, np.float32), _flat(ids, np.uint32)
+    tol_u, read_sigma, step0, ramp, c2c, max_pulses, g_min_u, relax, g_min, span = params
+    floats = np.array([tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span], np.float32)
+    g, pulses = np.empty(u.size, np.float32), np.empty(u.size, np.int32)
+    _LIB["ispp_pulses"](u.ctypes.data, target.ctypes.data, ids.ctypes.data, u.size, int(seed), int(relax_seed),
+                        floats.ctypes.data, int(max_pulses), g.ctypes.data, pulses.ctypes.data)
+    return g, pulses
 
 
 def engine_matmul(a, b, *, qmax: float = 127.0):

@@ -14,6 +14,9 @@
 // draw, bit for bit), the ADC, the tile sum and the dequantisation, so one MVM reads its float
 // inputs and writes its (rows, N) result once (256 x 1024 x 1024: 4.3 -> 3.8 ms with the tile
 // sums fused, 3.8 -> 3.0 with the DAC and dequantisation as well, which XLA did in three passes).
+// sidra_mvm_direct is the same MVM called on host buffers outside XLA (eager reads: any row count,
+// no program). sidra_ispp_verify / sidra_ispp_pulses are ISPP write-verify (sidra_core.ispp) with
+// sidra_core.rng's draws, cell by cell.
 //
 // Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 uint8 (rows, 2, Kp): hi then lo, Kp = grid_k * 256
 // (the dots' inputs; sidra_mvm makes them from x float32 (rows, K));
@@ -24,6 +27,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <atomic>
 #include <cstdint>
 #include <condition_variable>
@@ -1028,7 +1033,180 @@ ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::U8> s, int64_t k, 
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// ISPP write-verify (sidra_core.ispp), cell by cell: each cell's pulses run to its end in a loop,
+// 16 cells a vector lane each, instead of XLA's chunks of 6 pulses over every active cell with a
+// compaction between chunks. Every draw is keyed by (seed, cell id, pulse), so the order changes
+// nothing: the arithmetic is sidra_core.rng's and ispp's, operation for operation as XLA:CPU
+// compiles them (each product feeding a sum contracted into one FMA), the same bits.
+
+inline uint32_t mix32s(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+inline uint32_t hash_bits(uint32_t seed, uint32_t counter) {  // rng.bits
+  return mix32s(mix32s(counter * 0x9E3779B9u ^ seed) + (seed ^ 0x68E31DA4u));
+}
+
+inline float as_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+inline uint32_t as_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+inline float log_poly(float x) {  // rng._log
+  const uint32_t b = as_bits(x);
+  const float e = static_cast<float>(static_cast<int32_t>((b >> 23) & 0xFF) - 127);
+  const float t = as_float((b & 0x7FFFFF) | 0x3F800000) - 1.0f;
+  float p = kLog[0];
+#pragma GCC unroll 8
+  for (int i = 1; i < 8; ++i) p = std::fma(p, t, kLog[i]);
+  return std::fma(e, 0.6931471805599453f, p * t);
+}
+
+constexpr float kErfinv1[] = {2.81022636e-08f, 3.43273939e-07f, -3.5233877e-06f, -4.39150654e-06f, 0.00021858087f,
+                              -0.00125372503f, -0.00417768164f, 0.246640727f, 1.50140941f};
+constexpr float kErfinv2[] = {-0.000200214257f, 0.000100950558f, 0.00134934322f, -0.00367342844f, 0.00573950773f,
+                              -0.0076224613f, 0.00943887047f, 1.00167406f, 2.83297682f};
+
+inline float erfinv(float x) {  // rng._erfinv
+  const float w = -log_poly((1.0f - x) * (1.0f + x));
+  const float w1 = w - 2.5f;
+  float p1 = kErfinv1[0];
+#pragma GCC unroll 8
+  for (int i = 1; i < 9; ++i) p1 = std::fma(p1, w1, kErfinv1[i]);
+  const float w2 = std::sqrt(w) - 3.0f;
+  float p2 = kErfinv2[0];
+#pragma GCC unroll 8
+  for (int i = 1; i < 9; ++i) p2 = std::fma(p2, w2, kErfinv2[i]);
+  return (w < 5.0f ? p1 : p2) * x;
+}
+
+constexpr float kRoot2 = 1.4142135623730951f;
+
+inline float normal(uint32_t seed, uint32_t counter) {  // rng.normal
+  const uint32_t b = hash_bits(seed, counter);
+  const float u = (static_cast<float>(b >> 9) + 0.5f) * (2.0f / (1 << 23)) - 1.0f;
+  return kRoot2 * erfinv(u);
+}
+
+inline void normal_pair(uint32_t seed, uint32_t counter, float& z0, float& z1) {  // rng.normal_pair
+  const uint32_t b = hash_bits(seed, counter);
+  constexpr float scale = 2.0f / (1 << 16);
+  z0 = kRoot2 * erfinv((static_cast<float>(b >> 16) + 0.5f) * scale - 1.0f);
+  z1 = kRoot2 * erfinv((static_cast<float>(b & 0xFFFF) + 0.5f) * scale - 1.0f);
+}
+
+// ispp's parameters, in its order (_first_verify's are the subset it names).
+struct IsppParams {
+  float tol_u, read_sigma, step0, ramp, c2c;
+  int32_t max_pulses;
+  float g_min_u, relax, g_min, span;
+};
+
+constexpr int64_t kIsppCells = 4096;  // cells of one work item
+
+// Cells [lo, hi) written towards their targets: their final G (siemens) and pulses given, as
+// ispp._pulse_chunk's steps repeated until each cell is done, then its relaxation. kIsppLanes cells
+// step at once (the loop over lanes is vectorised); a lane whose cell is done takes the next one.
+constexpr int kIsppLanes = 16;
+
+void write_verify(const float* u0, const float* target0, const uint32_t* ids, int64_t lo, int64_t hi, uint32_t seed,
+                  uint32_t relax_seed, const IsppParams& a, float* g, int32_t* pulses) {
+  alignas(64) float u[kIsppLanes], target[kIsppLanes];
+  alignas(64) uint32_t id[kIsppLanes];
+  alignas(64) int32_t n[kIsppLanes], ramp_n[kIsppLanes], last_dir[kIsppLanes], done[kIsppLanes];
+  int64_t cell[kIsppLanes];
+  int64_t next = lo;
+  int live = 0;
+  auto load = [&](int l) {
+    cell[l] = next < hi ? next++ : -1;
+    const int64_t c = cell[l] < 0 ? lo : cell[l];  // an idle lane repeats a cell, unused
+    u[l] = u0[c];
+    target[l] = target0[c];
+    id[l] = ids[c];
+    n[l] = ramp_n[l] = last_dir[l] = 0;
+    live += cell[l] >= 0;
+  };
+  for (int l = 0; l < kIsppLanes; ++l) load(l);
+  while (live) {
+    for (int l = 0; l < kIsppLanes; ++l) {  // one verify read and, unless it passes, one pulse
+      float read_draw, c2c_draw;
+      normal_pair(seed + static_cast<uint32_t>(n[l]) * 2654435761u, id[l], read_draw, c2c_draw);
+      const float g_read = std::fma((u[l] + a.g_min_u) * a.read_sigma, read_draw, u[l]);
+      const float err = target[l] - g_read;
+      const bool fin = (std::fabs(err) <= a.tol_u) | (n[l] >= a.max_pulses);
+      const int32_t direction = err > 0 ? 1 : -1;
+      const int32_t ramp = direction == last_dir[l] ? ramp_n[l] + 1 : 0;
+      const float step = a.step0 * std::fma(a.ramp, static_cast<float>(ramp), 1.0f) *
+                         std::max(std::fma(a.c2c, c2c_draw, 1.0f), 0.0f);
+      const float up = step * (1.0f - u[l]), down = -step * u[l];  // both, then a select: no branch
+      const float du = direction > 0 ? up : down;
+      const float moved = std::min(std::max(u[l] + du, 0.0f), 1.0f);
+      done[l] = fin;
+      u[l] = fin ? u[l] : moved;
+      ramp_n[l] = fin ? ramp_n[l] : ramp;
+      last_dir[l] = fin ? last_dir[l] : direction;
+      n[l] = fin ? n[l] : n[l] + 1;
+    }
+    for (int l = 0; l < kIsppLanes; ++l) {
+      if (!done[l] || cell[l] < 0) continue;
+      const float settled = a.relax == 0 ? u[l]
+                                         : std::clamp(std::fma((u[l] + a.g_min_u) * a.relax, normal(relax_seed, id[l]), u[l]),
+                                                      0.0f, 1.0f);
+      g[cell[l]] = std::fma(settled, a.span, a.g_min);
+      pulses[cell[l]] = n[l];
+      --live;
+      load(l);
+    }
+  }
+}
+
 }  // namespace
+
+// ispp._first_verify: failed[i] = 1 where cell i (G g0 -> target g1, siemens) fails its first verify read.
+extern "C" void sidra_ispp_verify(const float* g0, const float* g1, const uint32_t* ids, int64_t n, uint32_t seed,
+                                  float tol_u, float read_sigma, float g_min_u, float g_min, float span,
+                                  uint8_t* failed) {
+  const uint32_t s = mix32s(seed);
+  auto work = std::make_shared<Work>();
+  work->items = (n + kIsppCells - 1) / kIsppCells;
+  work->item = [=](int64_t item) {
+    for (int64_t i = item * kIsppCells; i < std::min(n, (item + 1) * kIsppCells); ++i) {
+      const float u = (g0[i] - g_min) / span, target = (g1[i] - g_min) / span;
+      const float g_read = std::fma((u + g_min_u) * read_sigma, normal(s, ids[i]), u);
+      failed[i] = std::fabs(target - g_read) > tol_u;
+    }
+  };
+  execute(work, n * 64);
+}
+
+// ispp's pulses for cells at u (normalised) towards target, ids: each cell's final G (siemens)
+// and pulses given. params: tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span.
+extern "C" void sidra_ispp_pulses(const float* u, const float* target, const uint32_t* ids, int64_t n, uint32_t seed,
+                                  uint32_t relax_seed, const float* params, int32_t max_pulses, float* g,
+                                  int32_t* pulses) {
+  const IsppParams a{params[0], params[1], params[2], params[3], params[4], max_pulses,
+                     params[5], params[6], params[7], params[8]};
+  auto work = std::make_shared<Work>();
+  work->items = (n + kIsppCells - 1) / kIsppCells;
+  work->item = [=](int64_t item) {
+    write_verify(u, target, ids, item * kIsppCells, std::min(n, (item + 1) * kIsppCells), seed, relax_seed, a, g,
+                 pulses);
+  };
+  execute(work, n * 512);
+}
+
 
 // The MVM of Mvm called directly on host buffers (no XLA program: any row count, no compile).
 // w, corr, s as vnni.pack lays them out, grid_k tiles of nv vectors; s, step null without read

@@ -292,6 +292,20 @@ def test_dots_names_the_kernels_that_run_here(monkeypatch):
     assert host.dots() == "XLA's int8/bf16 dots on AMX tiles (the VNNI kernel is not available)"
 
 
+def test_programming_names_where_ispp_runs(monkeypatch):
+    """host.programming() (sidra info, the benchmark headers) follows host.native_ispp()."""
+    from sidra_core import host, vnni
+
+    monkeypatch.setattr(vnni, "available", lambda: True)
+    monkeypatch.delenv("SIDRA_NATIVE_ISPP", raising=False)
+    assert host.native_ispp() and host.programming().startswith("sidra_core.vnni's native library")
+    monkeypatch.setenv("SIDRA_NATIVE_ISPP", "0")
+    assert not host.native_ispp() and host.programming() == "XLA, in chunks of pulses (SIDRA_NATIVE_ISPP=0)"
+    monkeypatch.delenv("SIDRA_NATIVE_ISPP")
+    monkeypatch.setattr(vnni, "available", lambda: False)
+    assert host.programming() == "XLA, in chunks of pulses (the native library is not available)"
+
+
 def test_host_without_amx_prefers_float32_dots(monkeypatch):
     from sidra_core import host
 

@@ -270,6 +270,36 @@ def test_a_direct_read_in_another_layout_is_refused():
 
 
 @needs_vnni
+@pytest.mark.parametrize("preset,overrides", [
+    ("y1", {}), ("pcm", {}), ("y1-ir", {"noise__prog_relax_sigma": 0.0}),
+    ("y1", {"ispp__ramp": 0.0, "ispp__max_pulses": 5}), ("y1", {"noise__stuck_off_rate": 0.01})])
+def test_native_ispp_is_xlas_to_the_bit(preset, overrides, monkeypatch):
+    """The native write-verify (each cell to its end, no chunks) gives XLA's conductances and pulse
+    counts: cells from rest or mid-range, up and down, at target, stuck, and cut off at max_pulses."""
+    import sidra_core as sc
+    from sidra_core import host, ispp
+
+    spec = sc.preset(preset, **overrides)
+    t, n = spec.tile, 60000
+    rs = np.random.default_rng(len(preset) + len(overrides))
+    g0 = (t.g_min + rs.random(n) * (t.g_max - t.g_min)).astype(np.float32)
+    g0[: n // 3] = t.g_min
+    g1 = (t.g_min + rs.random(n) * (t.g_max - t.g_min)).astype(np.float32)
+    g1[::5] = t.g_min
+    g1[1::9] = g0[1::9]
+    stuck = rs.random(n) < max(spec.noise.stuck_off_rate, 0.002)
+    ids = rs.permutation(1 << 22)[:n].astype(np.uint32)
+    assert host.native_ispp()
+    native = ispp.program_cells(g0, g1, stuck, ids, spec, 5)
+    monkeypatch.setenv("SIDRA_NATIVE_ISPP", "0")
+    assert not host.native_ispp() and "SIDRA_NATIVE_ISPP=0" in host.programming()
+    xla = ispp.program_cells(g0, g1, stuck, ids, spec, 5)
+    assert native.total_pulses > n and (native.pulses == spec.ispp.max_pulses).any()
+    np.testing.assert_array_equal(native.pulses, xla.pulses)
+    np.testing.assert_array_equal(native.g, xla.g)
+
+
+@needs_vnni
 def test_a_row_with_a_nan_or_an_infinity_gives_nans_and_leaves_the_others():
     w, var, _ = _operands(6, 300, 40, 2, seed=2)
     x = _inputs(6, 300, seed=3)
@@ -417,7 +447,7 @@ def test_a_fresh_build_exports_every_kernel(tmp_path):
     vnni._build(tmp_path / "k.so")
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     assert lib.SidraTileDots and lib.SidraMvm and lib.SidraEngineMatmul and lib.SidraPackTiles
-    assert lib.sidra_mvm_direct
+    assert lib.sidra_mvm_direct and lib.sidra_ispp_verify and lib.sidra_ispp_pulses
     assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
 
 
