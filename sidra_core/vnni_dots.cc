@@ -27,10 +27,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -1122,7 +1122,7 @@ constexpr int64_t kIsppCells = 4096;  // cells of one work item
 constexpr int kIsppLanes = 16;
 
 void write_verify(const float* u0, const float* target0, const uint32_t* ids, int64_t lo, int64_t hi, uint32_t seed,
-                  uint32_t relax_seed, const IsppParams& a, float* g, int32_t* pulses) {
+                  const float* relax_z, const IsppParams& a, float* g, int32_t* pulses) {
   alignas(64) float u[kIsppLanes], target[kIsppLanes];
   alignas(64) uint32_t id[kIsppLanes];
   alignas(64) int32_t n[kIsppLanes], ramp_n[kIsppLanes], last_dir[kIsppLanes], done[kIsppLanes];
@@ -1161,9 +1161,9 @@ void write_verify(const float* u0, const float* target0, const uint32_t* ids, in
     }
     for (int l = 0; l < kIsppLanes; ++l) {
       if (!done[l] || cell[l] < 0) continue;
-      const float settled = a.relax == 0 ? u[l]
-                                         : std::clamp(std::fma((u[l] + a.g_min_u) * a.relax, normal(relax_seed, id[l]), u[l]),
-                                                      0.0f, 1.0f);
+      const float settled =
+          a.relax == 0 ? u[l]
+                       : std::clamp(std::fma((u[l] + a.g_min_u) * a.relax, relax_z[cell[l] - lo], u[l]), 0.0f, 1.0f);
       g[cell[l]] = std::fma(settled, a.span, a.g_min);
       pulses[cell[l]] = n[l];
       --live;
@@ -1182,10 +1182,15 @@ extern "C" void sidra_ispp_verify(const float* g0, const float* g1, const uint32
   auto work = std::make_shared<Work>();
   work->items = (n + kIsppCells - 1) / kIsppCells;
   work->item = [=](int64_t item) {
-    for (int64_t i = item * kIsppCells; i < std::min(n, (item + 1) * kIsppCells); ++i) {
-      const float u = (g0[i] - g_min) / span, target = (g1[i] - g_min) / span;
-      const float g_read = std::fma((u + g_min_u) * read_sigma, normal(s, ids[i]), u);
-      failed[i] = std::fabs(target - g_read) > tol_u;
+    const int64_t lo = item * kIsppCells, hi = std::min(n, lo + kIsppCells);
+    const float* __restrict from = g0;  // locals, not the closure's fields: the loop vectorises
+    const float* __restrict to = g1;
+    const uint32_t* __restrict id = ids;
+    uint8_t* __restrict out = failed;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float u = (from[i] - g_min) / span, target = (to[i] - g_min) / span;
+      const float g_read = std::fma((u + g_min_u) * read_sigma, normal(s, id[i]), u);
+      out[i] = std::fabs(target - g_read) > tol_u ? 1 : 0;
     }
   };
   execute(work, n * 64);
@@ -1201,8 +1206,11 @@ extern "C" void sidra_ispp_pulses(const float* u, const float* target, const uin
   auto work = std::make_shared<Work>();
   work->items = (n + kIsppCells - 1) / kIsppCells;
   work->item = [=](int64_t item) {
-    write_verify(u, target, ids, item * kIsppCells, std::min(n, (item + 1) * kIsppCells), seed, relax_seed, a, g,
-                 pulses);
+    const int64_t lo = item * kIsppCells, hi = std::min(n, lo + kIsppCells);
+    float relax_z[kIsppCells];  // each cell's relaxation draw, keyed by its id alone: all at once
+    if (a.relax != 0)
+      for (int64_t i = lo; i < hi; ++i) relax_z[i - lo] = normal(relax_seed, ids[i]);
+    write_verify(u, target, ids, lo, hi, seed, relax_z, a, g, pulses);
   };
   execute(work, n * 512);
 }
