@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from . import host, rng, vnni
+from . import buckets, host, rng, vnni
 from .blocks import map_blocks
 from .ispp import program_cells
 from .mapping import TileGrid, tile_grid
@@ -544,7 +544,9 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     if spec.adc.enabled:
         lsb = (state.adc_full_scale[:, :grid.n] / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
     return Snapshot(
-        w=w, var=var, lsb=None if lsb is None else jnp.asarray(lsb), gain=gain, scale=jnp.asarray(state.scale),
+        # (host arrays by DLPack: jnp.asarray would compile a program per shape)
+        w=w, var=var, lsb=None if lsb is None else buckets.put(lsb), gain=gain,
+        scale=buckets.put(np.array(state.scale, np.float32)),
         shape=_Shape(grid.k, grid.n, grid.rows, grid.cols, terms, read.narrow, bool(read.packed)), corr=corr,
         var_scale=var_scale,
     )

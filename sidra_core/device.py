@@ -13,10 +13,11 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import buckets, cost, crossbar, engine, rng
+from . import buckets, cost, crossbar, engine, rng, vnni
 from .conv import conv as conv_kernel
 from .conv import conv_args, output_positions
 from .clock import DeviceClock
@@ -278,12 +279,27 @@ class Chip:
         matmuls, the masked scores' element-wise pass and the softmax, as the ops one by one, for
         `shapes` (q, k, v) if given: the caller's own when it padded the lengths (padded_length)."""
         e = self.spec.engine
-        y = engine.attention(q, k, v, mask, scale=float(scale), causal=bool(causal), precision=e.precision,
-                             mode=e.matmul)
+        if self.attends_directly(q, k, v, mask, causal):
+            y = buckets.put(vnni.attention_direct(np.asarray(q), np.asarray(k), np.asarray(v),
+                                                  None if mask is None else np.asarray(mask), bool(causal),
+                                                  scale=float(scale), storage=engine.STORAGE[e.precision]))
+        else:
+            y = engine.attention(q, k, v, mask, scale=float(scale), causal=bool(causal), precision=e.precision,
+                                 mode=e.matmul)
         for c in cost.attention(*cost.attention_dims(*(shapes or (np.shape(q), np.shape(k), np.shape(v)))),
                                 self.spec):
             self.clock.charge(c, engine_ops=1)
         return y
+
+    def attends_directly(self, q, k, v, mask=None, causal: bool = False) -> bool:
+        """Whether `attention` of these operands calls the VNNI kernel straight on host buffers
+        (concrete float32 arrays, a bool or float32 mask or none): any lengths, unpadded, with no
+        program."""
+        args = (q, k, v) if mask is None else (q, k, v, mask)
+        return (not any(isinstance(t, jax.core.Tracer) for t in args)
+                and all(getattr(t, "dtype", None) == np.float32 for t in (q, k, v))
+                and (mask is None or getattr(mask, "dtype", None) in (np.bool_, np.float32))
+                and engine.native_attention(self.spec.engine.matmul, np.shape(q)[-1], np.shape(k)[-2]))
 
     def charge_memory(self, nbytes: int, level: str = "dram") -> None:
         """Data movement in device memory: `sram` for activations, `dram` for stored tensors."""

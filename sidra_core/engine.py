@@ -204,6 +204,12 @@ def padded_length(n: int) -> int:
     return p * 3 // 4 if n <= p * 3 // 4 else p
 
 
+def native_attention(mode: str, d: int, sk: int) -> bool:
+    """Whether an attention (any bool or float32 mask, causal or not) runs as the VNNI kernel's one
+    call (INT8 matmuls, head size d and sk keys within its int32 sums) on this host."""
+    return mode == "int8" and host.vnni_dots() and max(d, sk) <= vnni.MAX_ENGINE_K
+
+
 @partial(jax.jit, static_argnames=("scale", "causal", "precision", "mode", "layout"))
 def attention(q, k, v, mask=None, *, scale: float, causal: bool = False, precision: str = "fp32",
               mode: str = "int8", layout: str = "bhsd"):
@@ -213,10 +219,11 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool = False, precisi
     q, k, v are (..., S, D) (`layout` "bhsd") or (B, S, H, D) ("bshd", jax.nn's)."""
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"attention layout must be 'bhsd' or 'bshd', got {layout!r}")
-    if mask is None and not causal and mode == "int8" and host.vnni_dots() \
-            and max(q.shape[-1], k.shape[-3 if layout == "bshd" else -2]) <= vnni.MAX_ENGINE_K:
+    if (mask is None or mask.dtype in (jnp.bool_, jnp.float32)) \
+            and native_attention(mode, q.shape[-1], k.shape[-3 if layout == "bshd" else -2]):
         # the whole attention as one VNNI call: the scores stay in the CPU's caches
-        return vnni.attention(q, k, v, scale=scale, storage=STORAGE[precision], heads_first=layout == "bhsd")
+        return vnni.attention(q, k, v, mask, causal, scale=scale, storage=STORAGE[precision],
+                              heads_first=layout == "bhsd")
     if layout == "bshd":
         q, k, v = (jnp.swapaxes(t, -3, -2) for t in (q, k, v))  # (a mask is the scores' (B, H, S, T))
     s = matmul(q, jnp.swapaxes(k, -1, -2), mode) * scale

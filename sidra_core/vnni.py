@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -81,7 +82,7 @@ def load(path: Path | None = None) -> None:
     if not path.exists():
         _build(path)
     lib = ctypes.CDLL(str(path))
-    _direct_mvm(lib)
+    _entry_points(lib)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SidraTileDots), platform="cpu")
     jax.ffi.register_ffi_target(MVM_TARGET, jax.ffi.pycapsule(lib.SidraMvm), platform="cpu")
     jax.ffi.register_ffi_target(ENGINE_MATMUL_TARGET, jax.ffi.pycapsule(lib.SidraEngineMatmul), platform="cpu")
@@ -92,8 +93,8 @@ def load(path: Path | None = None) -> None:
 _LIB: dict = {}
 
 
-def _direct_mvm(lib) -> None:
-    """The kernel's C entry point for reads outside XLA (mvm_direct), typed."""
+def _entry_points(lib) -> None:
+    """The library's C entry points, called outside XLA (mvm_direct, attention_direct, ispp_*), typed."""
     import ctypes
 
     f = lib.sidra_mvm_direct
@@ -106,6 +107,10 @@ def _direct_mvm(lib) -> None:
     f.argtypes = [p, p, p, i64, u32, f32, f32, f32, f32, f32, p]
     f.restype = None
     _LIB["ispp_verify"] = f
+    f = lib.sidra_attention_direct
+    f.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i64, f32, p, p, i64, p]
+    f.restype = ctypes.c_int
+    _LIB["attention"] = f
     f = lib.sidra_ispp_pulses
     f.argtypes = [p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p]
     f.restype = None
@@ -215,6 +220,14 @@ def mvm(x, wp, corr, sp, step, lsb, gain, scale, bias, seed, *, k: int, n: int, 
         noise=np.int64(noise), qmax=np.float32(qmax), dac_qmax=np.float32(dac_qmax))
 
 
+def _direct(name: str):
+    """The library's C entry point `name` (_entry_points), which must run here."""
+    if not available():
+        raise RuntimeError(f"the VNNI kernel's {name} does not run on this host (sidra_core.vnni.available() is "
+                           "False): it needs Linux, AVX-512 VNNI and BF16, and a C++ compiler")
+    return _LIB[name]
+
+
 def _address(a) -> int | None:
     """The host address of a dense array's data (None for None)."""
     if a is None:
@@ -227,12 +240,11 @@ def mvm_direct(x: np.ndarray, wp, corr, sp, step, lsb, gain, scale, bias, seed: 
     """`mvm` on a host array x (rows, K) float32, C-contiguous, called straight into the kernel: no
     XLA program, so any row count runs without a compile or padding (the same bits: each row's
     noise draws are keyed by its row index alone). The weights are the snapshot's jax arrays."""
-    if not available():
-        raise RuntimeError("the VNNI kernel does not run on this host (sidra_core.vnni.available() is False)")
+    call = _direct("mvm")
     rows = x.shape[0]
     y = np.empty((rows, n), np.float32)
     gk, nv, terms = wp.shape[0], wp.shape[1], wp.shape[2]
-    if _LIB["mvm"](x.ctypes.data, rows, _address(wp), _address(corr), _address(sp), _address(step),
+    if call(x.ctypes.data, rows, _address(wp), _address(corr), _address(sp), _address(step),
                    gk, nv, k, n, terms, _address(lsb), _address(gain), _address(scale), _address(bias),
                    int(seed), qmax, dac_qmax, y.ctypes.data):
         raise ValueError("sidra_mvm_direct: unexpected operand layout")
@@ -249,7 +261,7 @@ def ispp_verify(g0, g1, ids, seed: int, tol_u: float, read_sigma: float, g_min_u
     first verify read."""
     g0, g1, ids = _flat(g0, np.float32), _flat(g1, np.float32), _flat(ids, np.uint32)
     failed = np.empty(g0.size, np.uint8)
-    _LIB["ispp_verify"](g0.ctypes.data, g1.ctypes.data, ids.ctypes.data, g0.size, int(seed), tol_u, read_sigma,
+    _direct("ispp_verify")(g0.ctypes.data, g1.ctypes.data, ids.ctypes.data, g0.size, int(seed), tol_u, read_sigma,
                         g_min_u, g_min, span, failed.ctypes.data)
     return failed.view(bool)
 
@@ -261,7 +273,7 @@ def ispp_pulses(u, target, ids, seed: int, relax_seed: int, params: tuple) -> tu
     tol_u, read_sigma, step0, ramp, c2c, max_pulses, g_min_u, relax, g_min, span = params
     floats = np.array([tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span], np.float32)
     g, pulses = np.empty(u.size, np.float32), np.empty(u.size, np.int32)
-    _LIB["ispp_pulses"](u.ctypes.data, target.ctypes.data, ids.ctypes.data, u.size, int(seed), int(relax_seed),
+    _direct("ispp_pulses")(u.ctypes.data, target.ctypes.data, ids.ctypes.data, u.size, int(seed), int(relax_seed),
                         floats.ctypes.data, int(max_pulses), g.ctypes.data, pulses.ctypes.data)
     return g, pulses
 
@@ -283,19 +295,59 @@ def engine_matmul(a, b, *, qmax: float = 127.0):
 _FORMATS = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
-def attention(q, k, v, *, scale: float, storage: str, heads_first: bool, qmax: float = 127.0):
-    """The engine's unmasked attention (`engine.attention`) in one call: INT8 q k^T, x scale,
-    stored as `storage`, the safe softmax, INT8 with v; float32 q, k (..., S, D), v (..., S, Dv)
-    with `heads_first`, else (B, S, H, D) (jax.nn.dot_product_attention's layout). Within a
-    float32 rounding of the XLA path's scores (its exp and sums), so the same codes but rarely."""
+def _mask_operands(m, mask, causal: bool, shape: tuple):
+    """The kernel's (keep, add) mask operands of the scores' `shape` (..., S_q, S_k) in array module
+    `m` (numpy or jax.numpy), or None each: a bool `mask` keeps where True, a float one is added,
+    after `causal`'s lower triangle (folded in), as engine.attention applies them."""
+    tril = m.tril(m.ones(shape[-2:], bool)) if causal else None
+    if mask is not None and mask.dtype != np.bool_:
+        add = m.asarray(mask, np.float32)
+        return None, m.broadcast_to(add if tril is None else m.where(tril, add, -np.inf), shape).astype(np.float32)
+    if mask is None and tril is None:
+        return None, None
+    keep = tril if mask is None else mask if tril is None else mask & tril
+    return m.broadcast_to(keep, shape).astype(np.uint8), None
+
+
+def attention_direct(q, k, v, mask=None, causal: bool = False, *, scale: float, storage: str,
+                     qmax: float = 127.0) -> np.ndarray:
+    """`attention` (heads first: q, k (..., S, D), v (..., S, Dv), leading dimensions broadcast) on
+    host arrays, called straight into the kernel: no XLA program, so any lengths run unpadded."""
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    nb = math.prod(lead)
+    q, k, v = (np.ascontiguousarray(np.broadcast_to(t, (*lead, *t.shape[-2:])), np.float32) for t in (q, k, v))
+    (sq, d), (sk, dv) = q.shape[-2:], v.shape[-2:]
+    keep, add = (None if a is None else np.ascontiguousarray(a)
+                 for a in _mask_operands(np, None if mask is None else np.asarray(mask), causal, (*lead, sq, sk)))
+    y = np.empty((*lead, sq, dv), np.float32)
+    if _direct("attention")(q.ctypes.data, k.ctypes.data, v.ctypes.data, nb, 1, sq, sk, d, dv, 1, scale,
+                            _FORMATS[storage], qmax, _address(keep), _address(add), int(not causal), y.ctypes.data):
+        raise ValueError("sidra_attention_direct: unexpected operand layout")
+    return y
+
+
+def attention(q, k, v, mask=None, causal: bool = False, *, scale: float, storage: str, heads_first: bool,
+              qmax: float = 127.0):
+    """The engine's attention (`engine.attention`) in one call: INT8 q k^T, x scale, the mask (a
+    bool one keeps where True, a float one is added: XLA contracts the scale's product into that sum
+    unless the causal select comes between), stored as `storage`, the safe softmax, INT8 with v;
+    float32 q, k (..., S, D), v (..., S, Dv) with `heads_first`, else (B, S, H, D)
+    (jax.nn.dot_product_attention's layout). Within a float32 rounding of the XLA path's scores
+    (its exp and sums), so the same codes but rarely."""
     if heads_first:  # any leading dimensions, broadcast, as one head each
         lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         nb = int(np.prod(lead, dtype=np.int64))
+        scores = (*lead, q.shape[-2], k.shape[-2])
         q, k, v = (jnp.broadcast_to(t, (*lead, *t.shape[-2:])).reshape(nb, 1, *t.shape[-2:]) for t in (q, k, v))
         out_shape = (*lead, q.shape[-2], v.shape[-1])
     else:
         out_shape = (*q.shape[:3], v.shape[-1])
+        scores = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    keep, add = _mask_operands(jnp, mask, causal, scores)
     y = _call(ATTENTION_TARGET, jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), jnp.float32))(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), scale=np.float32(scale),
-        heads_first=np.int64(heads_first), format=np.int64(_FORMATS[storage]), qmax=np.float32(qmax))
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        jnp.zeros((0,), jnp.uint8) if keep is None else keep.reshape(-1),
+        jnp.zeros((0,), jnp.float32) if add is None else add.reshape(-1), scale=np.float32(scale),
+        heads_first=np.int64(heads_first), format=np.int64(_FORMATS[storage]), qmax=np.float32(qmax),
+        contract=np.int64(not causal))
     return y.reshape(out_shape)

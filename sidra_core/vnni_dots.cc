@@ -638,6 +638,12 @@ struct AttentionJob {
   int64_t qs[3] = {}, ks[3] = {}, vs[3] = {}, ys[3] = {};  // strides of b, h, s
   float scale = 0, qmax = 0;
   int format = 0;
+  // an optional mask over the scores, per (batch item, query, key) with strides ms (b, h, q; keys
+  // contiguous): bool (keep where nonzero, else -inf) or float (added), before the rounding
+  const uint8_t* keep = nullptr;
+  const float* add = nullptr;
+  bool contract = true;  // false: the mask follows a select (a causal one), which XLA does not fuse into
+  int64_t ms[3] = {};
 };
 
 void attention_item(const AttentionJob& j, int64_t item) {
@@ -659,6 +665,7 @@ void attention_item(const AttentionJob& j, int64_t item) {
   code_matmul(j.sq, qu.data(), dp, kp.data(), kc.data(), j.sk, sc.data(), ldc);
   // each row: rescale, x scale, store; the softmax; its INT8 codes
   const __m512 scale = _mm512_set1_ps(j.scale), ninf = _mm512_set1_ps(-__builtin_inff());
+  const int64_t mask_at = bi * j.ms[0] + hi * j.ms[1];
   for (int64_t r = 0; r < j.sq; ++r) {
     float* row = &sc[r * ldc];
     const __m512 xs = _mm512_set1_ps(sa[r]);
@@ -666,7 +673,17 @@ void attention_item(const AttentionJob& j, int64_t item) {
     for (int64_t c = 0; c < j.sk; c += kLanes) {
       const __mmask16 m = column_mask(static_cast<int>(j.sk - c));
       __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + c), xs), _mm512_loadu_ps(&sb[c]));
-      t = store_round(_mm512_mul_ps(t, scale), j.format);
+      if (j.add) {  // s * scale + mask, the product contracted into the sum where XLA:CPU does so
+        const __m512 a = _mm512_maskz_loadu_ps(m, j.add + mask_at + r * j.ms[2] + c);
+        t = j.contract ? _mm512_fmadd_ps(t, scale, a) : _mm512_add_ps(_mm512_mul_ps(t, scale), a);
+      } else {
+        t = _mm512_mul_ps(t, scale);
+      }
+      if (j.keep) {
+        const __m128i b = _mm_maskz_loadu_epi8(m, j.keep + mask_at + r * j.ms[2] + c);
+        t = _mm512_mask_mov_ps(ninf, _mm_test_epi8_mask(b, b), t);
+      }
+      t = store_round(t, j.format);
       _mm512_storeu_ps(row + c, t);
       mx = _mm512_mask_max_ps(mx, m, mx, t);
     }
@@ -942,27 +959,29 @@ ffi::Error EngineMatmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, float 
   return ffi::Error::Success();
 }
 
-// The engine's attention (AttentionJob) of q (B, A1, A2, D), k (B, A1, A2, D), v (B, A1, A2, Dv):
-// heads_first: (B, H, S, D), else (B, S, H, D). format: the engine's storage (store_round).
-ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, float scale,
-                     int64_t heads_first, int64_t format, float qmax, ffi::ResultBuffer<ffi::F32> y) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const int hx = heads_first ? 1 : 2, sx = heads_first ? 2 : 1;
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] || qd[0] != vd[0] ||
-      qd[hx] != kd[hx] || qd[hx] != vd[hx] || kd[sx] != vd[sx] || qd[3] != kd[3] || format < 0 || format > 2 ||
-      qd[3] > kMaxEngineK || kd[sx] > kMaxEngineK)
-    return ffi::Error::InvalidArgument("sidra_attention: unexpected operand layout");
+// The attention of `batches` x `heads` (q: sq x d, k: sk x d, v: sk x dv each), in (B, H, S, D)
+// layout with heads_first, else (B, S, H, D); y as q with dv.
+void run_attention(const float* q, const float* k, const float* v, float* y, int64_t batches, int64_t heads,
+                   int64_t sq, int64_t sk, int64_t d, int64_t dv, bool heads_first, float scale, int format,
+                   float qmax, const uint8_t* keep = nullptr, const float* add = nullptr, bool contract = true) {
+  if (batches * heads * sq * dv == 0) return;
   auto job = std::make_shared<AttentionJob>();
   AttentionJob& j = *job;
-  j.q = q.typed_data();
-  j.k = k.typed_data();
-  j.v = v.typed_data();
-  j.y = y->typed_data();
-  j.heads = qd[hx];
-  j.sq = qd[sx];
-  j.sk = kd[sx];
-  j.d = qd[3];
-  j.dv = vd[3];
+  j.keep = keep;
+  j.add = add;
+  j.contract = contract;
+  j.ms[0] = heads * sq * sk;  // a mask holds (batches, heads, sq, sk)
+  j.ms[1] = sq * sk;
+  j.ms[2] = sk;
+  j.q = q;
+  j.k = k;
+  j.v = v;
+  j.y = y;
+  j.heads = heads;
+  j.sq = sq;
+  j.sk = sk;
+  j.d = d;
+  j.dv = dv;
   auto strides = [&](int64_t s, int64_t d, int64_t* out) {  // b, h, s strides of a (., ., ., d) array
     out[0] = j.heads * s * d;
     out[1] = heads_first ? s * d : d;
@@ -974,13 +993,30 @@ ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buff
   strides(j.sq, j.dv, j.ys);
   j.scale = scale;
   j.qmax = qmax;
-  j.format = static_cast<int>(format);
-  const int64_t batches = qd[0];
-  if (batches * j.heads * j.sq * j.dv == 0) return ffi::Error::Success();
+  j.format = format;
   auto work = std::make_shared<Work>();
   work->item = [job](int64_t i) { attention_item(*job, i); };
   work->items = batches * j.heads;
   execute(work, batches * j.heads * j.sq * j.sk * (j.d + j.dv));
+}
+
+// The engine's attention (AttentionJob) of q (B, A1, A2, D), k (B, A1, A2, D), v (B, A1, A2, Dv):
+// heads_first: (B, H, S, D), else (B, S, H, D). format: the engine's storage (store_round).
+// keep (uint8) / add (float32): a mask of (B, H, S_q, S_k) as run_attention takes it, or empty.
+ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                     ffi::Buffer<ffi::U8> keep, ffi::Buffer<ffi::F32> add, float scale, int64_t heads_first,
+                     int64_t format, float qmax, int64_t contract, ffi::ResultBuffer<ffi::F32> y) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const int hx = heads_first ? 1 : 2, sx = heads_first ? 2 : 1;
+  const int64_t scores = qd.size() == 4 && kd.size() == 4 ? qd[0] * qd[hx] * qd[sx] * kd[sx] : -1;
+  const int64_t nk = keep.element_count(), na = add.element_count();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] || qd[0] != vd[0] ||
+      qd[hx] != kd[hx] || qd[hx] != vd[hx] || kd[sx] != vd[sx] || qd[3] != kd[3] || format < 0 || format > 2 ||
+      qd[3] > kMaxEngineK || kd[sx] > kMaxEngineK || (nk && na) || (nk && nk != scores) || (na && na != scores))
+    return ffi::Error::InvalidArgument("sidra_attention: unexpected operand layout");
+  run_attention(q.typed_data(), k.typed_data(), v.typed_data(), y->typed_data(), qd[0], qd[hx], qd[sx], kd[sx],
+                qd[3], vd[3], heads_first != 0, scale, static_cast<int>(format), qmax,
+                nk ? keep.typed_data() : nullptr, na ? add.typed_data() : nullptr, contract != 0);
   return ffi::Error::Success();
 }
 
@@ -1287,8 +1323,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("heads_first")
                                   .Attr<int64_t>("format")
                                   .Attr<float>("qmax")
+                                  .Attr<int64_t>("contract")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// The attention called directly on host buffers (C-contiguous float32 q, k, v, y in the layout
+// heads_first picks; no XLA program, so any lengths), with an optional mask of (batches, heads,
+// sq, sk): `keep` bool (uint8) or `add` float32 (`contract`: s x scale + add as one FMA), at most
+// one. Returns 0, or 1 for what it refuses.
+extern "C" int sidra_attention_direct(const float* q, const float* k, const float* v, int64_t batches, int64_t heads,
+                                      int64_t sq, int64_t sk, int64_t d, int64_t dv, int64_t heads_first, float scale,
+                                      int64_t format, float qmax, const uint8_t* keep, const float* add,
+                                      int64_t contract, float* y) {
+  if (format < 0 || format > 2 || d > kMaxEngineK || sk > kMaxEngineK || batches < 0 || heads < 0 || sq < 0 ||
+      sk < 0 || (keep && add))
+    return 1;
+  run_attention(q, k, v, y, batches, heads, sq, sk, d, dv, heads_first != 0, scale, static_cast<int>(format), qmax,
+                keep, add, contract != 0);
+  return 0;
+}

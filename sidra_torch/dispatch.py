@@ -535,16 +535,24 @@ def sdpa(func, args, uargs, ukwargs):
 
 
 def _fused_sdpa(q, k, v, mask, scale: float, causal: bool):
-    """The engine's attention kernel at padded lengths (engine.padded_length: one compiled kernel
-    serves a range of lengths, as a KV cache grows), padded keys masked out, priced as unpadded."""
+    """The engine's attention kernel: straight on host buffers at its own lengths where the VNNI
+    kernel runs, else at padded lengths (engine.padded_length: one
+    compiled kernel serves a range of lengths, as a KV cache grows), padded keys masked out;
+    priced as unpadded."""
     seq_q, seq_k = q.shape[-2], k.shape[-2]
-    pad_q, pad_k = engine.padded_length(seq_q) - seq_q, engine.padded_length(seq_k) - seq_k
+    chip = runtime.current_chip()
     shapes = (q.shape, k.shape, v.shape)
+    if engine.native_attention(chip.spec.engine.matmul, q.shape[-1], seq_k):
+        # the kernel on host buffers (Chip.attends_directly): any lengths, unpadded
+        return _to_torch(chip.attention(_to_jax(q), _to_jax(k), _to_jax(v),
+                                        None if mask is None else to_jax(mask.detach().contiguous()),
+                                        scale=scale, causal=causal, shapes=shapes))
+    pad_q, pad_k = engine.padded_length(seq_q) - seq_q, engine.padded_length(seq_k) - seq_k
     if pad_q or pad_k:
         q = F.pad(q, (0, 0, 0, pad_q))
         k, v = F.pad(k, (0, 0, 0, pad_k)), F.pad(v, (0, 0, 0, pad_k))
         mask = _padded_mask(mask, seq_q, seq_k, pad_q, pad_k)
-    y = runtime.current_chip().attention(
+    y = chip.attention(
         _to_jax(q), _to_jax(k), _to_jax(v), None if mask is None else to_jax(mask.detach().contiguous()),  # bool stays bool
         scale=scale, causal=causal, shapes=shapes)
     out = _to_torch(y)

@@ -447,7 +447,7 @@ def test_a_fresh_build_exports_every_kernel(tmp_path):
     vnni._build(tmp_path / "k.so")
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     assert lib.SidraTileDots and lib.SidraMvm and lib.SidraEngineMatmul and lib.SidraPackTiles
-    assert lib.sidra_mvm_direct and lib.sidra_ispp_verify and lib.sidra_ispp_pulses
+    assert lib.sidra_mvm_direct and lib.sidra_attention_direct and lib.sidra_ispp_verify and lib.sidra_ispp_pulses
     assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
 
 
@@ -535,13 +535,18 @@ def test_the_engine_matmul_of_empty_operands():
             jnp.ones((2, 4, 5)), jnp.ones((2, 6, 3)), qmax=np.float32(127)))
 
 
-def _attention_pair(q, k, v, precision, layout):
-    """engine.attention through the kernel and through the XLA path (an all-True mask sends it there)."""
-    sq, sk = (q.shape[-3], k.shape[-3]) if layout == "bshd" else (q.shape[-2], k.shape[-2])
-    lead = q.shape[:1] + q.shape[2:3] if layout == "bshd" else jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2])
-    ones = jnp.ones((*lead, sq, sk), bool)
-    run = jax.jit(lambda q, k, v, m: engine.attention(q, k, v, m, scale=0.3, precision=precision, layout=layout))
-    return np.asarray(run(q, k, v, None)), np.asarray(run(q, k, v, ones))
+def _attention_pair(q, k, v, precision, layout, mask=None, causal=False):
+    """engine.attention through the kernel and through the XLA path (its own steps, traced with the
+    kernel switched off)."""
+    def program():  # a fresh function each time: JAX reuses a trace of the same one
+        return jax.jit(lambda q, k, v, m: engine.attention.__wrapped__(
+            q, k, v, m, scale=0.3, causal=causal, precision=precision, mode="int8", layout=layout))
+
+    kernel = np.asarray(program()(q, k, v, mask))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "native_attention", lambda *a: False)
+        xla = np.asarray(program()(q, k, v, mask))
+    return kernel, xla
 
 
 @needs_vnni
@@ -566,6 +571,81 @@ def test_the_fused_attention_takes_the_xla_paths_steps(precision, layout, qs, ks
 
 
 @needs_vnni
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("qs,ks,vs", [
+    ((2, 4, 37, 64), (2, 4, 37, 64), (2, 4, 37, 64)), ((2, 3, 5, 7), (2, 1, 9, 7), (1, 3, 9, 33)),
+    ((6, 17, 40), (6, 17, 40), (6, 17, 40)), ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1)), ((1, 2, 0, 8), (1, 2, 3, 8), (1, 2, 3, 8))])
+def test_a_direct_attention_is_the_custom_calls_to_the_bit(precision, qs, ks, vs):
+    """vnni.attention_direct (host buffers, no program: any lengths, leading dimensions broadcast)
+    runs the custom call's attention."""
+    rs = np.random.default_rng(sum(qs))
+    q, k, v = (rs.standard_normal(s).astype(np.float32) * 2 for s in (qs, ks, vs))
+    storage = engine.STORAGE[precision]
+    want = jax.jit(lambda q, k, v: vnni.attention(q, k, v, scale=0.3, storage=storage, heads_first=True))(q, k, v)
+    got = vnni.attention_direct(q, k, v, scale=0.3, storage=storage)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.asarray(want))
+
+
+@needs_vnni
+def test_the_chip_attends_directly_to_unmasked_host_arrays_at_any_length():
+    """Chip.attention of concrete float32 operands calls the kernel directly: no program at 12
+    lengths, engine.attention's result; masked and causal ones too; a traced one builds XLA's program."""
+    import sidra_core as sc
+    from sidra_core import buckets, compiles
+
+    chip = sc.Chip.create("y1")
+    rs = np.random.default_rng(0)
+    with compiles.record() as log:
+        for n in range(3, 15):
+            q, k, v = (buckets.put(rs.standard_normal((1, 3, n, 16)).astype(np.float32)) for _ in range(3))
+            assert chip.attends_directly(q, k, v)
+            y = chip.attention(q, k, v, scale=0.25)
+            assert y.shape == (1, 3, n, 16)
+    assert "jit(attention)" not in log.programs
+    want = engine.attention(q, k, v, scale=0.25, precision=chip.spec.engine.precision, mode=chip.spec.engine.matmul)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    keep = buckets.put(np.random.default_rng(1).random((1, n)) > 0.3)
+    assert chip.attends_directly(q, k, v, keep) and chip.attends_directly(q, k, v, causal=True)
+    with compiles.record() as log:
+        chip.attention(q, k, v, keep, scale=0.25, causal=True)
+    assert log.built == 0
+    with compiles.record() as log:
+        jax.jit(lambda q: chip.attention(q, k, v, keep, scale=0.25))(q)  # traced: a program
+    assert log.built == 1
+
+
+@needs_vnni
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("kind", ["bool", "float", "causal", "bool+causal", "float+causal", "all masked"])
+def test_a_masked_attention_takes_the_xla_paths_steps(precision, kind):
+    """Masks (bool: -inf where False; float: added, the scale's product fused into the sum as XLA
+    fuses it, except after the causal select) and causal ones, in the kernel (direct or custom call)
+    as engine.attention's XLA steps apply them; within its exponentials' rounding, as unmasked."""
+    rs = np.random.default_rng(len(kind))
+    q, k, v = (rs.standard_normal((2, 4, 37, 32)).astype(np.float32) * 2 for _ in range(3))
+    keep = rs.random((2, 1, 1, 37)) > 0.3
+    if kind == "all masked":
+        keep[1] = False  # every score of batch item 1 masked: the safe softmax gives zeros
+    add = np.where(keep, 0.0, -1e9).astype(np.float32) + rs.standard_normal((2, 1, 37, 37)).astype(np.float32)
+    mask = add if kind.startswith("float") else keep
+    causal = kind.endswith("causal")
+    if kind == "causal":
+        mask = None
+    kernel, want = _attention_pair(q, k, v, precision, "bhsd", mask, causal)
+    got = vnni.attention_direct(q, k, v, mask, causal, scale=0.3, storage=engine.STORAGE[precision])
+    np.testing.assert_array_equal(got, kernel)  # the direct call and the custom call: one kernel
+    assert got.shape == want.shape
+    if kind == "all masked":
+        assert not got[1].any() and not want[1].any()
+    # most are XLA's bits (~2 % differ by the exponentials' ulp; an FMA taken differently: ~25 %)
+    assert np.mean(got == want) >= 0.93
+    close = np.isclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    assert np.mean(close) >= 0.99
+    assert np.abs(got - want).max() <= 0.01 * np.abs(want).max()
+
+
+@needs_vnni
 def test_the_fused_attention_of_a_nan_query_row_is_nan_and_leaves_the_others():
     rs = np.random.default_rng(3)
     q, k, v = (rs.standard_normal((2, 2, 6, 8)).astype(np.float32) for _ in range(3))
@@ -582,8 +662,14 @@ def test_the_fused_attention_of_a_nan_query_row_is_nan_and_leaves_the_others():
 def test_the_fused_attention_refuses_mismatched_operands():
     with pytest.raises(Exception, match="sidra_attention: unexpected operand layout"):
         jax.block_until_ready(jax.ffi.ffi_call(vnni.ATTENTION_TARGET, jax.ShapeDtypeStruct((2, 3, 5, 8), jnp.float32))(
-            jnp.ones((2, 3, 5, 8)), jnp.ones((2, 3, 7, 9)), jnp.ones((2, 3, 7, 8)), scale=np.float32(1),
-            heads_first=np.int64(1), format=np.int64(1), qmax=np.float32(127)))
+            jnp.ones((2, 3, 5, 8)), jnp.ones((2, 3, 7, 9)), jnp.ones((2, 3, 7, 8)), jnp.zeros((0,), jnp.uint8),
+            jnp.zeros((0,), jnp.float32), scale=np.float32(1), heads_first=np.int64(1), format=np.int64(1),
+            qmax=np.float32(127), contract=np.int64(1)))
+    with pytest.raises(Exception, match="sidra_attention: unexpected operand layout"):  # a mask of another size
+        jax.block_until_ready(jax.ffi.ffi_call(vnni.ATTENTION_TARGET, jax.ShapeDtypeStruct((2, 3, 5, 8), jnp.float32))(
+            jnp.ones((2, 3, 5, 8)), jnp.ones((2, 3, 7, 8)), jnp.ones((2, 3, 7, 8)), jnp.ones((2 * 3 * 5 * 6,), jnp.uint8),
+            jnp.zeros((0,), jnp.float32), scale=np.float32(1), heads_first=np.int64(1), format=np.int64(1),
+            qmax=np.float32(127), contract=np.int64(1)))
 
 
 def test_a_kernel_call_where_the_kernel_does_not_run_names_the_cause(monkeypatch):
@@ -592,3 +678,6 @@ def test_a_kernel_call_where_the_kernel_does_not_run_names_the_cause(monkeypatch
     monkeypatch.setattr(vnni, "available", lambda: False)
     with pytest.raises(RuntimeError, match="does not run on this host.*AVX-512 VNNI"):
         vnni.engine_matmul(jnp.ones((1, 2, 4)), jnp.ones((1, 4, 3)))
+    with pytest.raises(RuntimeError, match="does not run on this host.*AVX-512 VNNI"):
+        vnni.attention_direct(np.ones((1, 2, 4), np.float32), np.ones((1, 2, 4), np.float32),
+                              np.ones((1, 2, 4), np.float32), scale=1.0, storage="float32")

@@ -8,7 +8,7 @@ import torch
 
 import sidra_torch
 from conftest_torch import D, load_minilm, restore_chip, y1  # noqa: F401 (fixtures)
-from sidra_core import buckets, compiles
+from sidra_core import buckets, compiles, engine, host
 
 
 def _forward(model, ids, mask):
@@ -44,3 +44,9 @@ def test_sentences_of_many_lengths_build_a_program_per_bucket(y1):
     shapes, rows = 3, len({buckets.size(n) for n in lengths})
     assert built.programs["jit(mvm)"] <= shapes * rows + 1 < len(lengths)
     assert built.programs["jit(layer_norm)"] <= rows
+    # attention goes straight to the VNNI kernel where it runs (no program at any length), else a
+    # program per padded length (masked where padding, unmasked at a bucket's own length)
+    if host.vnni_dots():
+        assert built.programs["jit(attention)"] == 0
+    else:
+        assert 0 < built.programs["jit(attention)"] <= 2 * len({engine.padded_length(n) for n in lengths})
