@@ -229,10 +229,11 @@ def _direct(name: str):
 
 
 def _address(a) -> int | None:
-    """The host address of a dense array's data (None for None)."""
+    """The host address of a dense array's data (None for None); a jax.Array's once its program has
+    written it (dispatch is asynchronous: a snapshot's pack may still be running)."""
     if a is None:
         return None
-    return a.ctypes.data if isinstance(a, np.ndarray) else a.unsafe_buffer_pointer()
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.block_until_ready().unsafe_buffer_pointer()
 
 
 def mvm_direct(x: np.ndarray, wp, corr, sp, step, lsb, gain, scale, bias, seed: int, *, k: int, n: int,
