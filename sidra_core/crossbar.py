@@ -769,6 +769,20 @@ def _read_tiles(snap: Snapshot, x2, seed, qmax: float):
     return y
 
 
+def check_read(snap: Snapshot, features: int, seed, dac_bits: int | None) -> None:
+    """Refuse a read the snapshot cannot take: inputs of another K, no seed for a noisy chip, DAC
+    codes wider than its int8 weights."""
+    s = snap.shape
+    if features != s.k:
+        raise ValueError(f"mvm input has {features} features but the weight has K = {s.k}")
+    if snap.var is not None and seed is None:
+        raise ValueError("this chip has read noise: mvm() needs a noise seed")
+    if s.terms and (dac_bits is None or dac_bits > _INT8_BITS):
+        raise ValueError(f"this snapshot holds int8 weights for DAC codes of <= {_INT8_BITS} bits, "
+                         f"got dac_bits={dac_bits}: run it with the settings of the chip that made it "
+                         f"(mvm_kwargs(spec))")
+
+
 @host.jit(static_argnames=("dac_bits", "adc_bits"))
 def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, adc_bits: int = 8):
     """y = x @ W (+ bias) as the crossbar computes it, for x of shape (..., K).
@@ -783,14 +797,7 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     """
     s = snap.shape
     lead = x.shape[:-1]
-    if x.shape[-1] != s.k:
-        raise ValueError(f"mvm input has {x.shape[-1]} features but the weight has K = {s.k}")
-    if snap.var is not None and seed is None:
-        raise ValueError("this chip has read noise: mvm() needs a noise seed")
-    if s.terms and (dac_bits is None or dac_bits > _INT8_BITS):
-        raise ValueError(f"this snapshot holds int8 weights for DAC codes of <= {_INT8_BITS} bits, "
-                         f"got dac_bits={dac_bits}: run it with the settings of the chip that made it "
-                         f"(mvm_kwargs(spec))")
+    check_read(snap, x.shape[-1], seed, dac_bits)
     x2 = x.reshape(-1, s.k).astype(jnp.float32)
     qmax = float(2 ** (adc_bits - 1) - 1)
     if s.packed:  # the whole MVM as one VNNI custom call: DAC, dots, noise, ADC, tile sum, dequantisation
@@ -824,12 +831,7 @@ def mvm_direct(snap: Snapshot, x: np.ndarray, seed: int, bias=None, *, dac_bits:
     """`mvm` of a packed snapshot (`direct`) on a host array x (rows, K): the same bits, without an
     XLA program, so a new row count costs no compile and no padding."""
     s = snap.shape
-    if x.shape[-1] != s.k:
-        raise ValueError(f"mvm input has {x.shape[-1]} features but the weight has K = {s.k}")
-    if dac_bits is None or dac_bits > _INT8_BITS:
-        raise ValueError(f"this snapshot holds int8 weights for DAC codes of <= {_INT8_BITS} bits, "
-                         f"got dac_bits={dac_bits}: run it with the settings of the chip that made it "
-                         f"(mvm_kwargs(spec))")
+    check_read(snap, x.shape[-1], seed, dac_bits)
     b = None if bias is None else np.ascontiguousarray(np.broadcast_to(np.asarray(bias, np.float32), (s.n,)))
     noise = snap.var is not None
     return vnni.mvm_direct(np.ascontiguousarray(x, np.float32), snap.w[0], snap.corr, snap.var[0] if noise else None,

@@ -209,14 +209,16 @@ class Chip:
         if bias is not None and np.ndim(bias) > 1:  # a bias per row: padded with the rows
             bias = buckets.pad(buckets.xp(bias).broadcast_to(bias, (*lead, n)), shape=(rows, n))
         snap = self.snapshot(res)
-        self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
+        kw = crossbar.mvm_kwargs(self.spec)
+        crossbar.check_read(snap, np.shape(x)[-1], 0, kw["dac_bits"])  # before a seed is drawn or a read charged
         if crossbar.direct(snap, x, bias):
-            y = crossbar.mvm_direct(snap, np.asarray(x).reshape(rows, k), self.next_seed(), bias,
-                                    **crossbar.mvm_kwargs(self.spec))
-            return buckets.put(y.reshape(*lead, n))
-        y = crossbar.mvm(snap, buckets.pad(x, shape=(rows, k)), np.uint32(self.next_seed()), bias,
-                         **crossbar.mvm_kwargs(self.spec))
-        return buckets.take(y, (rows, n), (*lead, n))
+            y = buckets.put(crossbar.mvm_direct(snap, np.asarray(x).reshape(rows, k), self.next_seed(), bias,
+                                                **kw).reshape(*lead, n))
+        else:
+            y = buckets.take(crossbar.mvm(snap, buckets.pad(x, shape=(rows, k)), np.uint32(self.next_seed()), bias,
+                                          **kw), (rows, n), (*lead, n))
+        self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
+        return y
 
     def conv(self, res: Resident, x, w_shape, bias=None, stride=1, padding=0, dilation=1):
         """N-d convolution of x (N, C_in, *spatial) with a programmed conv weight, at the bucket of N."""
@@ -298,8 +300,7 @@ class Chip:
         args = (q, k, v) if mask is None else (q, k, v, mask)
         return (not any(isinstance(t, jax.core.Tracer) for t in args)
                 and all(getattr(t, "dtype", None) == np.float32 for t in (q, k, v))
-                and (mask is None or getattr(mask, "dtype", None) in (np.bool_, np.float32))
-                and engine.native_attention(self.spec.engine.matmul, np.shape(q)[-1], np.shape(k)[-2]))
+                and engine.native_attention(self.spec.engine.matmul, np.shape(q)[-1], np.shape(k)[-2], mask))
 
     def charge_memory(self, nbytes: int, level: str = "dram") -> None:
         """Data movement in device memory: `sram` for activations, `dram` for stored tensors."""

@@ -192,6 +192,24 @@ def test_direct_reads_compile_no_program_at_any_row_count():
     assert "jit(mvm)" not in log.programs
 
 
+@pytest.mark.parametrize("read", ["direct", "xla"])
+def test_a_refused_read_leaves_the_chip_as_it_was(read, monkeypatch):
+    """Inputs of another K, or DAC codes wider than the snapshot's int8 weights: a clear error, and
+    neither the clock nor the noise stream moves (on the direct read and on XLA's)."""
+    if read == "xla":
+        monkeypatch.setattr(crossbar, "direct", lambda *a: False)
+    chip = sc.Chip.create("y1", seed=2)
+    res = chip.program(np.asarray(_x((300, 40), 1, 0.05)))
+    chip.linear(res, _x((3, 300), 1))
+    counters, op = chip.clock.counters.as_dict(), chip._op_counter
+    with pytest.raises(ValueError, match="mvm input has 299 features but the weight has K = 300"):
+        chip.linear(res, _x((3, 299), 1))
+    monkeypatch.setattr(crossbar, "mvm_kwargs", lambda spec: {"dac_bits": 10, "adc_bits": 8})
+    with pytest.raises(ValueError, match="int8 weights for DAC codes of <= 8 bits, got dac_bits=10"):
+        chip.linear(res, _x((3, 300), 1))
+    assert chip.clock.counters.as_dict() == counters and chip._op_counter == op
+
+
 def test_a_traced_op_runs_at_its_own_shape():
     """Inside a trace (the bridges' dry runs) shapes are abstract: nothing is padded or compiled."""
     import jax
