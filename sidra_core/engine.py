@@ -204,10 +204,11 @@ def padded_length(n: int) -> int:
     return p * 3 // 4 if n <= p * 3 // 4 else p
 
 
-def native_attention(mode: str, d: int, sk: int) -> bool:
-    """Whether an attention (any bool or float32 mask, causal or not) runs as the VNNI kernel's one
-    call (INT8 matmuls, head size d and sk keys within its int32 sums) on this host."""
-    return mode == "int8" and host.vnni_dots() and max(d, sk) <= vnni.MAX_ENGINE_K
+def native_attention(mode: str, d: int, sk: int, mask=None) -> bool:
+    """Whether an attention (causal or not, with no mask or a bool or float32 one) runs as the VNNI
+    kernel's one call (INT8 matmuls, head size d and sk keys within its int32 sums) on this host."""
+    return (mode == "int8" and host.vnni_dots() and max(d, sk) <= vnni.MAX_ENGINE_K
+            and (mask is None or mask.dtype in (jnp.bool_, jnp.float32)))
 
 
 @partial(jax.jit, static_argnames=("scale", "causal", "precision", "mode", "layout"))
@@ -219,8 +220,7 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool = False, precisi
     q, k, v are (..., S, D) (`layout` "bhsd") or (B, S, H, D) ("bshd", jax.nn's)."""
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"attention layout must be 'bhsd' or 'bshd', got {layout!r}")
-    if (mask is None or mask.dtype in (jnp.bool_, jnp.float32)) \
-            and native_attention(mode, q.shape[-1], k.shape[-3 if layout == "bshd" else -2]):
+    if native_attention(mode, q.shape[-1], k.shape[-3 if layout == "bshd" else -2], mask):
         # the whole attention as one VNNI call: the scores stay in the CPU's caches
         return vnni.attention(q, k, v, mask, causal, scale=scale, storage=STORAGE[precision],
                               heads_first=layout == "bhsd")

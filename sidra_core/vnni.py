@@ -97,24 +97,17 @@ def _entry_points(lib) -> None:
     """The library's C entry points, called outside XLA (mvm_direct, attention_direct, ispp_*), typed."""
     import ctypes
 
-    f = lib.sidra_mvm_direct
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    f.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, ctypes.c_uint32,
-                  ctypes.c_float, ctypes.c_float, p]
-    f.restype = ctypes.c_int
-    _LIB["mvm"] = f
-    f, u32, f32 = lib.sidra_ispp_verify, ctypes.c_uint32, ctypes.c_float
-    f.argtypes = [p, p, p, i64, u32, f32, f32, f32, f32, f32, p]
-    f.restype = None
-    _LIB["ispp_verify"] = f
-    f = lib.sidra_attention_direct
-    f.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i64, f32, p, p, i64, p]
-    f.restype = ctypes.c_int
-    _LIB["attention"] = f
-    f = lib.sidra_ispp_pulses
-    f.argtypes = [p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p]
-    f.restype = None
-    _LIB["ispp_pulses"] = f
+    p, i64, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_float
+    for key, symbol, args, result in (
+            ("mvm", "sidra_mvm_direct", [p, i64, p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, u32, f32, f32, p],
+             ctypes.c_int),
+            ("attention", "sidra_attention_direct",
+             [p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i64, f32, p, p, i64, p], ctypes.c_int),
+            ("ispp_verify", "sidra_ispp_verify", [p, p, p, i64, u32, f32, f32, f32, f32, f32, p], None),
+            ("ispp_pulses", "sidra_ispp_pulses", [p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p], None)):
+        f = getattr(lib, symbol)
+        f.argtypes, f.restype = args, result
+        _LIB[key] = f
 
 
 def host_supports() -> bool:
@@ -245,9 +238,8 @@ def mvm_direct(x: np.ndarray, wp, corr, sp, step, lsb, gain, scale, bias, seed: 
     rows = x.shape[0]
     y = np.empty((rows, n), np.float32)
     gk, nv, terms = wp.shape[0], wp.shape[1], wp.shape[2]
-    if call(x.ctypes.data, rows, _address(wp), _address(corr), _address(sp), _address(step),
-                   gk, nv, k, n, terms, _address(lsb), _address(gain), _address(scale), _address(bias),
-                   int(seed), qmax, dac_qmax, y.ctypes.data):
+    if call(x.ctypes.data, rows, _address(wp), _address(corr), _address(sp), _address(step), gk, nv, k, n, terms,
+            _address(lsb), _address(gain), _address(scale), _address(bias), int(seed), qmax, dac_qmax, y.ctypes.data):
         raise ValueError("sidra_mvm_direct: unexpected operand layout")
     return y
 
@@ -263,7 +255,7 @@ def ispp_verify(g0, g1, ids, seed: int, tol_u: float, read_sigma: float, g_min_u
     g0, g1, ids = _flat(g0, np.float32), _flat(g1, np.float32), _flat(ids, np.uint32)
     failed = np.empty(g0.size, np.uint8)
     _direct("ispp_verify")(g0.ctypes.data, g1.ctypes.data, ids.ctypes.data, g0.size, int(seed), tol_u, read_sigma,
-                        g_min_u, g_min, span, failed.ctypes.data)
+                           g_min_u, g_min, span, failed.ctypes.data)
     return failed.view(bool)
 
 
@@ -275,7 +267,7 @@ def ispp_pulses(u, target, ids, seed: int, relax_seed: int, params: tuple) -> tu
     floats = np.array([tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span], np.float32)
     g, pulses = np.empty(u.size, np.float32), np.empty(u.size, np.int32)
     _direct("ispp_pulses")(u.ctypes.data, target.ctypes.data, ids.ctypes.data, u.size, int(seed), int(relax_seed),
-                        floats.ctypes.data, int(max_pulses), g.ctypes.data, pulses.ctypes.data)
+                           floats.ctypes.data, int(max_pulses), g.ctypes.data, pulses.ctypes.data)
     return g, pulses
 
 

@@ -607,6 +607,7 @@ def test_the_chip_attends_directly_to_unmasked_host_arrays_at_any_length():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
     keep = buckets.put(np.random.default_rng(1).random((1, n)) > 0.3)
     assert chip.attends_directly(q, k, v, keep) and chip.attends_directly(q, k, v, causal=True)
+    assert not chip.attends_directly(q, k, v, jnp.zeros((1, n), jnp.float16))  # a mask the kernel does not take
     with compiles.record() as log:
         chip.attention(q, k, v, keep, scale=0.25, causal=True)
     assert log.built == 0
