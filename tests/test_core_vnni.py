@@ -588,6 +588,16 @@ def test_a_direct_attention_is_the_custom_calls_to_the_bit(precision, qs, ks, vs
 
 
 @needs_vnni
+def test_a_direct_attention_past_the_int32_sums_is_refused():
+    """A head size past MAX_ENGINE_K would overflow the kernel's int32 sums: the direct call refuses
+    it (engine.attention sends it to XLA instead)."""
+    q = np.ones((1, 1, 2, vnni.MAX_ENGINE_K + 4), np.float32)
+    with pytest.raises(ValueError, match="sidra_attention_direct: unexpected operand layout"):
+        vnni.attention_direct(q, q, q, scale=1.0, storage="float32")
+    assert not engine.native_attention("int8", q.shape[-1], 2)
+
+
+@needs_vnni
 def test_the_chip_attends_directly_to_unmasked_host_arrays_at_any_length():
     """Chip.attention of concrete float32 operands calls the kernel directly: no program at 12
     lengths, engine.attention's result; masked and causal ones too; a traced one builds XLA's program."""
