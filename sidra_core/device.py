@@ -202,19 +202,23 @@ class Chip:
 
     def linear(self, res: Resident, x, bias=None):
         """y = x @ W (+ bias) on the crossbar, x: (..., K); charges the MVM. Runs at the row bucket
-        (sidra_core.buckets) of x's rows; priced for its real rows."""
+        (sidra_core.buckets) of x's rows, or unpadded on host buffers (crossbar.direct: a NumPy x
+        then gives a NumPy y); priced for its real rows."""
         k, n = res.shape
         lead = np.shape(x)[:-1]
         rows = math.prod(lead)
-        if bias is not None and np.ndim(bias) > 1:  # a bias per row: padded with the rows
-            bias = buckets.pad(buckets.xp(bias).broadcast_to(bias, (*lead, n)), shape=(rows, n))
         snap = self.snapshot(res)
         kw = crossbar.mvm_kwargs(self.spec)
         crossbar.check_read(snap, np.shape(x)[-1], 0, kw["dac_bits"])  # before a seed is drawn or a read charged
         if crossbar.direct(snap, x, bias):
-            y = buckets.put(crossbar.mvm_direct(snap, np.asarray(x).reshape(rows, k), self.next_seed(), bias,
-                                                **kw).reshape(*lead, n))
+            y = crossbar.mvm_direct(snap, np.asarray(x).reshape(rows, k), self.next_seed(), bias,
+                                    **kw).reshape(*lead, n)
+            y = y if isinstance(x, np.ndarray) else buckets.put(y)
         else:
+            if bias is not None and np.ndim(bias) > 1:  # a bias per row: padded with the rows
+                bias = buckets.pad(buckets.xp(bias).broadcast_to(bias, (*lead, n)), shape=(rows, n))
+            elif isinstance(bias, np.ndarray):  # committed, as the bridges' arrays (one program per placement)
+                bias = buckets.put(bias)
             y = buckets.take(crossbar.mvm(snap, buckets.pad(x, shape=(rows, k)), np.uint32(self.next_seed()), bias,
                                           **kw), (rows, n), (*lead, n))
         self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
@@ -235,8 +239,15 @@ class Chip:
 
     def engine(self, op: str, x, **kwargs):
         """An element-wise or normalising op on the compute engine, at the bucket of its rows
-        (element-wise: of its elements); charges it for its real size."""
+        (element-wise: of its elements), or unpadded on host buffers (engine.native: a NumPy x then
+        gives NumPy results); charges it for its real size."""
         p = self.spec.engine.precision
+        if engine.native(op, p) and _on_host(x, kwargs):
+            y = engine.direct(op, x, precision=p, **kwargs)
+            self.clock.charge(cost.engine(op, int(np.size(x)), self.spec), engine_ops=1)
+            return y
+        # host operands as the bridges' committed arrays: a program is compiled per argument placement
+        kwargs = {k: buckets.put(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
         if op in engine.ELEMENTWISE:
             y = _by_rows(engine.ELEMENTWISE[op], x, 0, precision=p)
         elif op in ("softmax", "log_softmax"):
@@ -277,14 +288,15 @@ class Chip:
         return y
 
     def attention(self, q, k, v, mask=None, *, scale: float, causal: bool = False, shapes=None):
-        """Scaled dot-product attention on the engine (q, k, v: (..., L, E)); charges its two
-        matmuls, the masked scores' element-wise pass and the softmax, as the ops one by one, for
+        """Scaled dot-product attention on the engine (q, k, v: (..., L, E); NumPy ones give a NumPy
+        result where it attends directly); charges its two matmuls, the masked scores' element-wise pass and the softmax, as the ops one by one, for
         `shapes` (q, k, v) if given: the caller's own when it padded the lengths (padded_length)."""
         e = self.spec.engine
         if self.attends_directly(q, k, v, mask, causal):
-            y = buckets.put(vnni.attention_direct(np.asarray(q), np.asarray(k), np.asarray(v),
-                                                  None if mask is None else np.asarray(mask), bool(causal),
-                                                  scale=float(scale), storage=engine.STORAGE[e.precision]))
+            y = vnni.attention_direct(np.asarray(q), np.asarray(k), np.asarray(v),
+                                      None if mask is None else np.asarray(mask), bool(causal),
+                                      scale=float(scale), storage=engine.STORAGE[e.precision])
+            y = y if isinstance(q, np.ndarray) else buckets.put(y)
         else:
             y = engine.attention(q, k, v, mask, scale=float(scale), causal=bool(causal), precision=e.precision,
                                  mode=e.matmul)
@@ -323,6 +335,12 @@ class Chip:
     def advance(self, seconds: float) -> float:
         """Jump the device clock (drift studies): an hour, a day, a year after programming."""
         return self.clock.advance(seconds)
+
+
+def _on_host(x, kwargs) -> bool:
+    """Whether x is a float32 NumPy array and the other array operands are concrete (a direct call)."""
+    return (isinstance(x, np.ndarray) and x.dtype == np.float32
+            and not any(isinstance(v, jax.core.Tracer) for v in kwargs.values()))
 
 
 def _by_rows(fn, x, trailing: int, **kwargs):

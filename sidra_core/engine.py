@@ -11,10 +11,12 @@ Activation x activation matmuls use INT8 MACs with INT32 accumulation unless
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import host, vnni
 from .quant import quantise_rows
@@ -52,7 +54,12 @@ def _elementwise(fn):
             # LUT: the function is evaluated only at the 255 INT8 input levels of each row.
             q, s = quantise_rows(x.astype(jnp.float32), 8)
             return _round(fn(q * s), "fp16")
-        return _round(fn(_round(x, precision)), precision)
+        def steps(x):
+            return _round(fn(_round(x, precision)), precision)
+
+        if native(fn.__name__, precision):
+            return _differentiable(partial(vnni.engine_map, op=fn.__name__, storage=STORAGE[precision]), steps)(x)
+        return steps(x)
 
     op.__name__ = fn.__name__
     op.__doc__ = fn.__doc__
@@ -96,6 +103,41 @@ def silu(x):
 
 
 ELEMENTWISE = {"relu": relu, "gelu": gelu, "gelu_tanh": gelu_tanh, "tanh": tanh, "sigmoid": sigmoid, "silu": silu}
+NORMS = ("layer_norm", "rms_norm")
+EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}  # each norm's default epsilon
+
+
+def _differentiable(kernel, steps):
+    """`kernel` (a native library call, which JAX cannot differentiate) with the derivatives of
+    `steps`, the same op as XLA's steps."""
+    f = jax.custom_jvp(kernel)
+    f.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(steps, primals, tangents)[1]))
+    return f
+
+
+def native(op: str, precision: str) -> bool:
+    """Whether engine op `op` at `precision` runs as the native library's kernel here
+    (host.native_engine): the element-wise non-linearities outside int8's look-up tables, and
+    the norms. The rule the jitted ops and the chip's direct calls share."""
+    if op in ELEMENTWISE:
+        return precision != "int8" and host.native_engine()
+    return op in NORMS and host.native_engine()
+
+
+def direct(op: str, x: np.ndarray, *, precision: str, weight=None, bias=None, eps: float | None = None,
+           ndim: int = 1, stats: bool = False):
+    """A `native` op on a host array, called straight into the kernel: no XLA program, so any shape
+    runs unpadded; the bits of the jitted op (the same kernel)."""
+    if op in ELEMENTWISE:
+        return vnni.engine_map_direct(x, op, storage=STORAGE[precision])
+    eps = EPS[op] if eps is None else eps
+    lead, row = x.shape[:x.ndim - ndim], x.shape[x.ndim - ndim:]
+    weight, bias = (None if a is None else np.broadcast_to(np.asarray(a, np.float32), row) for a in (weight, bias))
+    y, mean, rstd = vnni.engine_norm_direct(x.reshape(-1, math.prod(row)), weight, bias, eps=float(eps),
+                                            rms=op == "rms_norm", storage=STORAGE[_io(precision)])
+    y = y.reshape(x.shape)
+    kept = (*lead, *(1,) * ndim)
+    return (y, mean.reshape(kept), rstd.reshape(kept)) if stats else y
 
 
 def _io(precision: str):
@@ -124,33 +166,60 @@ def log_softmax(x, axis: int = -1, precision: str = "fp32"):
 
 
 @partial(jax.jit, static_argnames=("ndim", "precision", "stats"))
-def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, ndim: int = 1, precision: str = "fp32", stats: bool = False):
+def layer_norm(x, weight=None, bias=None, eps: float = EPS["layer_norm"], ndim: int = 1, precision: str = "fp32", stats: bool = False):
     """Layer norm over the last `ndim` axes; statistics in fp32. With `stats` also the mean and
     1/std (kept dims), which autograd saves for the backward pass."""
     p = _io(precision)
-    x = _round(x, p)
-    axes = tuple(range(x.ndim - ndim, x.ndim))
-    mean = jnp.mean(x, axis=axes, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
-    rstd = jax.lax.rsqrt(var + eps)
-    y = (x - mean) * rstd
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return (_round(y, p), mean, rstd) if stats else _round(y, p)
+
+    def steps(x, weight, bias, eps):
+        x = _round(x, p)
+        axes = tuple(range(x.ndim - ndim, x.ndim))
+        mean = jnp.mean(x, axis=axes, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+        rstd = jax.lax.rsqrt(var + eps)
+        y = (x - mean) * rstd
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        return (_round(y, p), mean, rstd) if stats else _round(y, p)
+
+    if native("layer_norm", precision):
+        return _native_norm(steps, x, weight, bias, eps, ndim, p, stats, rms=False)
+    return steps(x, weight, bias, eps)
 
 
 @partial(jax.jit, static_argnames=("ndim", "precision"))
-def rms_norm(x, weight=None, eps: float = 1e-6, ndim: int = 1, precision: str = "fp32"):
+def rms_norm(x, weight=None, eps: float = EPS["rms_norm"], ndim: int = 1, precision: str = "fp32"):
     """RMS norm over the last `ndim` axes."""
     p = _io(precision)
-    x = _round(x, p)
-    axes = tuple(range(x.ndim - ndim, x.ndim))
-    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + eps)
-    if weight is not None:
-        y = y * weight
-    return _round(y, p)
+
+    def steps(x, weight, bias, eps):
+        x = _round(x, p)
+        axes = tuple(range(x.ndim - ndim, x.ndim))
+        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + eps)
+        if weight is not None:
+            y = y * weight
+        return _round(y, p)
+
+    if native("rms_norm", precision):
+        return _native_norm(steps, x, weight, None, eps, ndim, p, False, rms=True)
+    return steps(x, weight, None, eps)
+
+
+def _native_norm(steps, x, weight, bias, eps, ndim: int, io: str, stats: bool, rms: bool):
+    """A norm as the native kernel's custom call on x's rows (its last `ndim` axes), differentiated
+    as `steps` (x, weight, bias, eps)."""
+    lead, row = x.shape[:x.ndim - ndim], x.shape[x.ndim - ndim:]
+    kept = (*lead, *(1,) * ndim)
+
+    def kernel(x, weight, bias, eps):
+        y, mean, rstd = vnni.engine_norm(
+            x.reshape(-1, math.prod(row)), None if weight is None else jnp.broadcast_to(weight, row),
+            None if bias is None else jnp.broadcast_to(bias, row), eps=eps, rms=rms, storage=STORAGE[io])
+        return (y.reshape(x.shape), mean.reshape(kept), rstd.reshape(kept)) if stats else y.reshape(x.shape)
+
+    return _differentiable(kernel, steps)(x, weight, bias, jnp.asarray(eps, jnp.float32))
 
 
 @partial(jax.jit, static_argnames=("precision",))

@@ -96,21 +96,42 @@ def dots() -> str:
     return "XLA's float32 dots (the portable path)"
 
 
+def _native(switch: str) -> bool:
+    from . import vnni
+
+    return os.environ.get(switch) != "0" and vnni.available()
+
+
+def _where(switch: str, native: str, xla: str) -> str:
+    """`native`'s or `xla`'s description of a job (sidra info, the benchmarks' headers), with why."""
+    if _native(switch):
+        return f"sidra_core.vnni's native library, {native}"
+    why = f"{switch}=0" if os.environ.get(switch) == "0" else "the native library is not available"
+    return f"XLA, {xla} ({why})"
+
+
 def native_ispp() -> bool:
     """Whether ISPP write-verify runs cell by cell in the native kernel library (sidra_core.vnni's
     build, the same bits as XLA's chunks) rather than in XLA: where that library runs, unless
     SIDRA_NATIVE_ISPP=0."""
-    from . import vnni
-
-    return os.environ.get("SIDRA_NATIVE_ISPP") != "0" and vnni.available()
+    return _native("SIDRA_NATIVE_ISPP")
 
 
 def programming() -> str:
-    """Where ISPP write-verify runs on this host, and why (sidra info, the benchmarks' headers)."""
-    if native_ispp():
-        return "sidra_core.vnni's native library, cell by cell"
-    why = "SIDRA_NATIVE_ISPP=0" if os.environ.get("SIDRA_NATIVE_ISPP") == "0" else "the native library is not available"
-    return f"XLA, in chunks of pulses ({why})"
+    """Where ISPP write-verify runs on this host, and why."""
+    return _where("SIDRA_NATIVE_ISPP", "cell by cell", "in chunks of pulses")
+
+
+def native_engine() -> bool:
+    """Whether the compute engine's element-wise non-linearities and norms run as the native
+    library's kernels (in XLA programs as custom calls, eagerly on host buffers: any shape, no
+    program) rather than as XLA's fused loops: where that library runs, unless SIDRA_NATIVE_ENGINE=0."""
+    return _native("SIDRA_NATIVE_ENGINE")
+
+
+def engine_ops() -> str:
+    """Where the engine's element-wise ops and norms run on this host, and why."""
+    return _where("SIDRA_NATIVE_ENGINE", "any shape", "at row buckets")
 
 
 def narrow_float() -> str:

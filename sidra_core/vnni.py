@@ -35,6 +35,9 @@ TARGET = "sidra_tile_dots"
 MVM_TARGET = "sidra_mvm"
 ENGINE_MATMUL_TARGET = "sidra_engine_matmul"
 ATTENTION_TARGET = "sidra_attention"
+ENGINE_MAP_TARGET = "sidra_engine_map"
+ENGINE_NORM_TARGET = "sidra_engine_norm"
+MAP_OPS = ("relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "silu")  # the kernel's MapOp codes, in order
 MAX_ENGINE_K = 65536  # the engine matmul sums a row in one int32
 PACK_TARGET = "sidra_pack_tiles"
 _SOURCE = Path(__file__).with_name("vnni_dots.cc")
@@ -88,13 +91,15 @@ def load(path: Path | None = None) -> None:
     jax.ffi.register_ffi_target(ENGINE_MATMUL_TARGET, jax.ffi.pycapsule(lib.SidraEngineMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SidraAttention), platform="cpu")
     jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.SidraPackTiles), platform="cpu")
+    jax.ffi.register_ffi_target(ENGINE_MAP_TARGET, jax.ffi.pycapsule(lib.SidraEngineMap), platform="cpu")
+    jax.ffi.register_ffi_target(ENGINE_NORM_TARGET, jax.ffi.pycapsule(lib.SidraEngineNorm), platform="cpu")
 
 
 _LIB: dict = {}
 
 
 def _entry_points(lib) -> None:
-    """The library's C entry points, called outside XLA (mvm_direct, attention_direct, ispp_*), typed."""
+    """The library's C entry points, called outside XLA (the *_direct functions, ispp_*), typed."""
     import ctypes
 
     p, i64, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_float
@@ -103,6 +108,8 @@ def _entry_points(lib) -> None:
              ctypes.c_int),
             ("attention", "sidra_attention_direct",
              [p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i64, f32, p, p, i64, p], ctypes.c_int),
+            ("engine_map", "sidra_engine_map", [p, i64, i64, i64, p], ctypes.c_int),
+            ("engine_norm", "sidra_engine_norm", [p, i64, i64, p, p, f32, i64, i64, p, p, p], ctypes.c_int),
             ("ispp_verify", "sidra_ispp_verify", [p, p, p, i64, u32, f32, f32, f32, f32, f32, p], None),
             ("ispp_pulses", "sidra_ispp_pulses", [p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p], None)):
         f = getattr(lib, symbol)
@@ -344,3 +351,46 @@ def attention(q, k, v, mask=None, causal: bool = False, *, scale: float, storage
         heads_first=np.int64(heads_first), format=np.int64(_FORMATS[storage]), qmax=np.float32(qmax),
         contract=np.int64(not causal))
     return y.reshape(out_shape)
+
+
+def engine_map(x, op: str, *, storage: str):
+    """The engine's element-wise `op` (MAP_OPS) of float32 x, its input and result in `storage`'s
+    format (engine._round: to nearest even, no saturation): erf and tanh as XLA:CPU's interpolants."""
+    return _call(ENGINE_MAP_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))(
+        x.astype(jnp.float32), op=np.int64(MAP_OPS.index(op)), format=np.int64(_FORMATS[storage]))
+
+
+def engine_map_direct(x: np.ndarray, op: str, *, storage: str) -> np.ndarray:
+    """`engine_map` on a host array, called straight into the kernel (no XLA program, any shape)."""
+    x = np.asarray(x, np.float32, order="C")
+    y = np.empty_like(x)
+    code = MAP_OPS.index(op) if op in MAP_OPS else -1
+    if _direct("engine_map")(x.ctypes.data, x.size, code, _FORMATS.get(storage, -1), y.ctypes.data):
+        raise ValueError(f"sidra_engine_map: unknown op {op!r} or format {storage!r}")
+    return y
+
+
+def engine_norm(x, weight, bias, *, eps: float, rms: bool, storage: str):
+    """Layer norm (or RMS norm, `rms`) of float32 rows x (rows, width), with weight and bias of
+    `width` elements or None, in `storage`'s format: (y, mean (rows,), 1/std (rows,)); sums in
+    float32."""
+    rows = x.shape[0]
+    empty = jnp.zeros((0,), jnp.float32)
+    stat = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    return _call(ENGINE_NORM_TARGET, (jax.ShapeDtypeStruct(x.shape, jnp.float32), stat, stat))(
+        x.astype(jnp.float32), empty if weight is None else weight.reshape(-1).astype(jnp.float32),
+        empty if bias is None else bias.reshape(-1).astype(jnp.float32), jnp.asarray(eps, jnp.float32),
+        rms=np.int64(rms), format=np.int64(_FORMATS[storage]))
+
+
+def engine_norm_direct(x: np.ndarray, weight, bias, *, eps: float, rms: bool, storage: str):
+    """`engine_norm` on host arrays (weight and bias of `width` elements), called straight into the
+    kernel (no XLA program, any rows)."""
+    x = np.ascontiguousarray(x, np.float32)
+    rows, width = x.shape
+    w, b = (None if a is None else np.ascontiguousarray(a, np.float32).reshape(width) for a in (weight, bias))
+    y, mean, rstd = np.empty_like(x), np.empty(rows, np.float32), np.empty(rows, np.float32)
+    if _direct("engine_norm")(x.ctypes.data, rows, width, _address(w), _address(b), eps, int(rms),
+                              _FORMATS.get(storage, -1), y.ctypes.data, mean.ctypes.data, rstd.ctypes.data):
+        raise ValueError(f"sidra_engine_norm: unknown format {storage!r}")
+    return y, mean, rstd

@@ -614,17 +614,102 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// The engine's storage rounding (sidra_core.engine.round_to): 0 float32, 1 float16, 2 bfloat16;
-// finite values saturate at the format's largest, inf and NaN pass.
+// A value in the engine's format (sidra_core.engine._round): 0 float32, 1 float16, 2 bfloat16, to
+// nearest even, beyond the range to inf. bfloat16 by integer rounding as XLA converts (the
+// conversion instruction would flush subnormals): + 0x7fff + the kept lowest bit; NaN stays NaN.
+inline __m512 to_format(__m512 v, int format) {
+  if (format == 0) return v;
+  if (format == 1) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m512i u = _mm512_castps_si512(v), high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), high);
+  const __m512i nan = _mm512_or_si512(_mm512_and_si512(u, high), _mm512_set1_epi32(0x400000));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan));
+}
+
+// The engine's storage rounding (sidra_core.engine.round_to): to_format, but finite values
+// saturate at the format's largest; inf and NaN pass.
 inline __m512 store_round(__m512 v, int format) {
   if (format == 0) return v;
   const float big = format == 1 ? 65504.0f : 3.38953139e38f;
   const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
   v = _mm512_mask_blend_ps(finite, v, _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-big)), _mm512_set1_ps(big)));
-  if (format == 1) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return to_format(v, format);
 }
+
+// erf(x) for 16 lanes: the odd / even rational interpolant Eigen and XLA:CPU use (a few ulp),
+// +-1 from |x| >= 3.8325 on.
+inline __m512 erf_ps(__m512 x) {
+  const __m512 x2 = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_fmadd_ps(x2, _mm512_set1_ps(0.00022905065861350646f), _mm512_set1_ps(0.0034082910107109506f));
+  p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(0.050955695062380861f));
+  p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(0.18520832239976145f));
+  p = _mm512_mul_ps(x, _mm512_fmadd_ps(x2, p, _mm512_set1_ps(1.128379143519084f)));
+  __m512 q = _mm512_fmadd_ps(x2, _mm512_set1_ps(-1.1791602954361697e-7f), _mm512_set1_ps(0.000023547966471313185f));
+  q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(0.0010179625278914885f));
+  q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(0.014070470171167667f));
+  q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(0.11098505178285362f));
+  q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(0.49746925110067538f));
+  q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(1.0f));
+  const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(3.832506856900711f), _CMP_GE_OQ);
+  const __m512 one = _mm512_castsi512_ps(_mm512_or_si512(  // +-1 with x's sign (integer ops: no AVX-512 DQ)
+      _mm512_castps_si512(_mm512_set1_ps(1.0f)),
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u)))));
+  return _mm512_mask_mov_ps(_mm512_div_ps(p, q), big, one);
+}
+
+// tanh(x) for 16 lanes: Eigen's and XLA:CPU's rational interpolant on x clamped to +-7.9988 (where
+// it reaches +-1), x itself for |x| < 0.0004.
+inline __m512 tanh_ps(__m512 x) {
+  constexpr float kNum[] = {-2.76076847742355e-16f, 2.00018790482477e-13f, -8.60467152213735e-11f,
+                            5.12229709037114e-08f,  1.48572235717979e-05f, 6.37261928875436e-04f,
+                            4.89352455891786e-03f};
+  constexpr float kDen[] = {1.19825839466702e-06f, 1.18534705686654e-04f, 2.26843463243900e-03f,
+                            4.89352518554385e-03f};
+  const __m512 c = _mm512_min_ps(_mm512_set1_ps(7.99881172180175781f),  // (operand order: a NaN passes)
+                                 _mm512_max_ps(_mm512_set1_ps(-7.99881172180175781f), x));
+  const __m512 x2 = _mm512_mul_ps(c, c);
+  __m512 p = _mm512_set1_ps(kNum[0]), q = _mm512_set1_ps(kDen[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(kNum[i]));
+  for (int i = 1; i < 4; ++i) q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(kDen[i]));
+  const __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(0.0004f), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(_mm512_div_ps(_mm512_mul_ps(c, p), q), small, x);
+}
+
+// The engine's element-wise non-linearities (sidra_core.engine.ELEMENTWISE), in kMapOps' order.
+enum MapOp { kRelu, kGelu, kGeluTanh, kTanh, kSigmoid, kSilu, kMapOps };
+
+inline __m512 sigmoid_ps(__m512 x) {  // 1 / (1 + e^-x): e^-x overflows to inf for x < -88.7, giving 0
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+inline __m512 map_op(__m512 x, int op) {
+  const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+  switch (op) {
+    case kRelu: {  // 0 where x < 0, else x (NaN and -0 pass), told by the bits of x x 1 (subnormals flushed)
+      const __m512i b = _mm512_castps_si512(_mm512_mul_ps(x, one));
+      const __mmask16 neg = _mm512_cmpgt_epi32_mask(b, _mm512_set1_epi32(INT32_MIN)) &
+                            _mm512_cmple_epi32_mask(b, _mm512_set1_epi32(static_cast<int>(0xFF800000u)));
+      return _mm512_mask_mov_ps(x, neg, _mm512_setzero_ps());
+    }
+    case kGelu:
+      return _mm512_mul_ps(_mm512_mul_ps(half, x),
+                           _mm512_add_ps(one, erf_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.7071067811865476f)))));
+    case kGeluTanh: {
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), x), x);
+      const __m512 t = tanh_ps(_mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_add_ps(x, cube)));
+      return _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
+    }
+    case kTanh:
+      return tanh_ps(x);
+    case kSigmoid:
+      return sigmoid_ps(x);
+    default:
+      return _mm512_mul_ps(x, sigmoid_ps(x));
+  }
+}
+
 
 // The engine's attention without a mask (sidra_core.engine.attention): for each batch and head,
 // scores = INT8 matmul(q, k^T) x scale stored in the engine format, the safe softmax (float32
@@ -844,6 +929,107 @@ void execute(const std::shared_ptr<Work>& work, int64_t macs) {
     work->drain();
   }
   if (g_active.fetch_sub(1, std::memory_order_relaxed) == 2 && Helpers::get().count() > 0) Helpers::get().wake();
+}
+
+constexpr int64_t kMapItem = 16384;  // elements of one work item
+
+// Subnormal inputs and results as zeros (MXCSR's DAZ and FTZ) while in scope, as XLA:CPU computes
+// and runs its custom calls: the engine's kernels then give the same bits called from XLA or
+// directly, on any thread.
+class FlushDenormals {
+ public:
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+};
+
+// y = op(x) over n elements, the input and the result each in the engine's format.
+void run_map(const float* x, int64_t n, int op, int format, float* y) {
+  auto work = std::make_shared<Work>();
+  work->items = (n + kMapItem - 1) / kMapItem;
+  work->item = [=](int64_t item) {
+    FlushDenormals flush;
+    const int64_t lo = item * kMapItem, hi = std::min(n, lo + kMapItem);
+    for (int64_t i = lo; i < hi; i += kLanes) {
+      const __mmask16 m = column_mask(static_cast<int>(hi - i));
+      const __m512 v = to_format(_mm512_maskz_loadu_ps(m, x + i), format);
+      _mm512_mask_storeu_ps(y + i, m, to_format(map_op(v, op), format));
+    }
+  };
+  execute(work, n * 64);
+}
+
+// Layer norm (rms = false) or RMS norm of `rows` rows of `width` floats: the input in the engine's
+// format, mean and variance (of x - mean) summed in float32, 1 / sqrt(var + eps), x w + b with w
+// and b optional (null), the result in the format; each row's mean (0 for RMS) and 1/std too.
+void run_norm(const float* x, int64_t rows, int64_t width, const float* w, const float* b, float eps, bool rms,
+              int format, float* y, float* mean, float* rstd) {
+  auto work = std::make_shared<Work>();
+  const int64_t per = std::max<int64_t>(1, kMapItem / std::max<int64_t>(width, 1));
+  work->items = (rows + per - 1) / per;
+  work->item = [=](int64_t item) {
+    FlushDenormals flush;
+    for (int64_t r = item * per; r < std::min(rows, (item + 1) * per); ++r) {
+      const float* in = x + r * width;
+      float* out = y + r * width;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < width; c += kLanes) {
+        const __mmask16 m = column_mask(static_cast<int>(width - c));
+        const __m512 v = to_format(_mm512_maskz_loadu_ps(m, in + c), format);
+        acc = rms ? _mm512_fmadd_ps(v, v, acc) : _mm512_add_ps(acc, v);
+      }
+      const float mu = rms ? 0.0f : _mm512_reduce_add_ps(acc) / static_cast<float>(width);
+      const __m512 mv = _mm512_set1_ps(mu);
+      float var = rms ? _mm512_reduce_add_ps(acc) / static_cast<float>(width) : 0.0f;
+      if (!rms) {
+        acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < width; c += kLanes) {
+          const __mmask16 m = column_mask(static_cast<int>(width - c));
+          const __m512 d = _mm512_maskz_sub_ps(m, to_format(_mm512_maskz_loadu_ps(m, in + c), format), mv);
+          acc = _mm512_fmadd_ps(d, d, acc);
+        }
+        var = _mm512_reduce_add_ps(acc) / static_cast<float>(width);
+      }
+      const float rs = 1.0f / std::sqrt(var + eps);
+      const __m512 rv = _mm512_set1_ps(rs);
+      for (int64_t c = 0; c < width; c += kLanes) {
+        const __mmask16 m = column_mask(static_cast<int>(width - c));
+        __m512 t = _mm512_mul_ps(_mm512_sub_ps(to_format(_mm512_maskz_loadu_ps(m, in + c), format), mv), rv);
+        if (w) t = _mm512_mul_ps(t, _mm512_maskz_loadu_ps(m, w + c));
+        if (b) t = _mm512_add_ps(t, _mm512_maskz_loadu_ps(m, b + c));
+        _mm512_mask_storeu_ps(out + c, m, to_format(t, format));
+      }
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+  };
+  execute(work, rows * width * 32);
+}
+
+// The element-wise op `op` (MapOp) of x in the engine's `format`.
+ffi::Error EngineMap(ffi::Buffer<ffi::F32> x, int64_t op, int64_t format, ffi::ResultBuffer<ffi::F32> y) {
+  if (op < 0 || op >= kMapOps || format < 0 || format > 2)
+    return ffi::Error::InvalidArgument("sidra_engine_map: unknown op or format");
+  run_map(x.typed_data(), x.element_count(), static_cast<int>(op), static_cast<int>(format), y->typed_data());
+  return ffi::Error::Success();
+}
+
+// run_norm of x (rows, width) with w and b of `width` floats or empty, eps one float (an operand:
+// a traced value in the jitted op).
+ffi::Error EngineNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> b,
+                      ffi::Buffer<ffi::F32> eps, int64_t rms, int64_t format, ffi::ResultBuffer<ffi::F32> y,
+                      ffi::ResultBuffer<ffi::F32> mean, ffi::ResultBuffer<ffi::F32> rstd) {
+  const auto xd = x.dimensions();
+  const int64_t nw = w.element_count(), nb = b.element_count();
+  if (xd.size() != 2 || (nw && nw != xd[1]) || (nb && nb != xd[1]) || eps.element_count() != 1 || format < 0 ||
+      format > 2)
+    return ffi::Error::InvalidArgument("sidra_engine_norm: unexpected operand layout");
+  run_norm(x.typed_data(), xd[0], xd[1], nw ? w.typed_data() : nullptr, nb ? b.typed_data() : nullptr,
+           eps.typed_data()[0], rms != 0,
+           static_cast<int>(format), y->typed_data(), mean->typed_data(), rstd->typed_data());
+  return ffi::Error::Success();
 }
 
 int64_t macs(const Problem& q) { return q.rows * q.k * q.n * (q.terms + (q.x2 ? 2 : 0)); }
@@ -1345,5 +1531,39 @@ extern "C" int sidra_attention_direct(const float* q, const float* k, const floa
     return 1;
   run_attention(q, k, v, y, batches, heads, sq, sk, d, dv, heads_first != 0, scale, static_cast<int>(format), qmax,
                 keep, add, contract != 0);
+  return 0;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraEngineMap, EngineMap,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("format")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SidraEngineNorm, EngineNorm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rms")
+                                  .Attr<int64_t>("format")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// EngineMap and EngineNorm called directly on host buffers (C-contiguous float32; w, b null when
+// absent). Return 0, or 1 for an unknown op or format.
+extern "C" int sidra_engine_map(const float* x, int64_t n, int64_t op, int64_t format, float* y) {
+  if (op < 0 || op >= kMapOps || format < 0 || format > 2 || n < 0) return 1;
+  run_map(x, n, static_cast<int>(op), static_cast<int>(format), y);
+  return 0;
+}
+
+extern "C" int sidra_engine_norm(const float* x, int64_t rows, int64_t width, const float* w, const float* b, float eps,
+                                 int64_t rms, int64_t format, float* y, float* mean, float* rstd) {
+  if (format < 0 || format > 2 || rows < 0 || width < 0) return 1;
+  run_norm(x, rows, width, w, b, eps, rms != 0, static_cast<int>(format), y, mean, rstd);
   return 0;
 }

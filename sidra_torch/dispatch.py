@@ -52,10 +52,20 @@ def _to_jax(t: torch.Tensor):
     return to_jax(t.detach().contiguous())
 
 
+def _to_host(t: torch.Tensor | None) -> np.ndarray | None:
+    """A float32 NumPy view of t (a copy if it is another dtype or strided), for the chip's reads
+    that run straight on host buffers (Chip.linear, Chip.attention): no JAX array in or out."""
+    if t is None:
+        return None
+    if t.dtype != torch.float32:
+        t = t.to(torch.float32)
+    return t.detach().contiguous().numpy()
+
+
 def _to_torch(a, dtype=torch.float32) -> torch.Tensor:
     if isinstance(a, jax.ShapeDtypeStruct):  # a kernel's output in a dry run (runtime.dry_run): zeros
         return torch.zeros(a.shape, dtype=dtype)
-    out = torch.from_dlpack(a)
+    out = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
@@ -143,8 +153,7 @@ def _linear(x: torch.Tensor, w_view, transpose: bool, bias: torch.Tensor | None,
         raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({a[0]}x{a[1]} and {b[0]}x{b[1]})")
     chip = runtime.current_chip()
     res = resident(chip, w_view, transpose)
-    y = chip.linear(res, _to_jax(x), None if bias is None else _to_jax(bias))
-    return _to_torch(y, x.dtype)
+    return _to_torch(chip.linear(res, _to_host(x), _to_host(bias)), x.dtype)
 
 
 def linear_dynamic(func, args, uargs, ukwargs):
@@ -157,8 +166,7 @@ def linear_dynamic(func, args, uargs, ukwargs):
     if found is None:  # called outside a quantized Linear module: no home for its tiles
         return host(func, args, uargs, ukwargs)
     res, bias = found
-    y = chip.linear(res, _to_jax(x), None if bias is None else _to_jax(bias))
-    return _to_torch(y, x.dtype)
+    return _to_torch(chip.linear(res, _to_host(x), _to_host(bias)), x.dtype)
 
 
 def _engine_matmul(a: torch.Tensor, b: torch.Tensor):
@@ -260,7 +268,7 @@ def _conv_transpose(x, w, bias, stride, padding, dilation, output_padding):
     chip = runtime.current_chip()
     res = resident(chip, w, "transposed conv", matrix_fn=lambda v, _: v._inner.detach().to(torch.float32)
                    .reshape(c_in, -1).numpy())
-    cols = _to_torch(chip.linear(res, _to_jax(x.permute(0, 2, 3, 1).reshape(-1, c_in))), x.dtype)
+    cols = _to_torch(chip.linear(res, _to_host(x.permute(0, 2, 3, 1).reshape(-1, c_in))), x.dtype)
     # The whole grid the input positions reach, then `padding` cropped at the start of each axis and
     # `padding - output_padding` at its end (output padding past the grid is zeros).
     full = [(i - 1) * s + d * (k - 1) + 1 for i, s, d, k in zip((h, wd), stride, dilation, (kh, kw))]
@@ -352,7 +360,7 @@ def _max_numel(uargs) -> int:
 
 def _engine_op(name: str, x: torch.Tensor, **kw) -> torch.Tensor:
     chip = runtime.current_chip()
-    return _to_torch(chip.engine(name, _to_jax(x), **kw), x.dtype)
+    return _to_torch(chip.engine(name, _to_host(x), **kw), x.dtype)
 
 
 def relu(func, args, uargs, ukwargs):
@@ -429,8 +437,8 @@ def layer_norm(func, args, uargs, ukwargs):
 
 def _layer_norm(x, shape, w, b, eps, stats: bool):
     chip = runtime.current_chip()
-    out = chip.engine("layer_norm", _to_jax(x), weight=None if w is None else _to_jax(w),
-                      bias=None if b is None else _to_jax(b), eps=float(eps), ndim=len(shape), stats=stats)
+    out = chip.engine("layer_norm", _to_host(x), weight=_to_host(w), bias=_to_host(b), eps=float(eps),
+                      ndim=len(shape), stats=stats)
     if not stats:
         return _to_torch(out, x.dtype)
     y, mean, rstd = out
@@ -442,7 +450,7 @@ def rms_norm(func, args, uargs, ukwargs):
     x, shape = uargs[0], uargs[1]
     w, eps = _arg(uargs, ukwargs, 2, "weight"), _arg(uargs, ukwargs, 3, "eps")
     chip = runtime.current_chip()
-    y = chip.engine("rms_norm", _to_jax(x), weight=None if w is None else _to_jax(w),
+    y = chip.engine("rms_norm", _to_host(x), weight=_to_host(w),
                     eps=float(torch.finfo(x.dtype).eps if eps is None else eps), ndim=len(shape))
     return _to_torch(y, x.dtype)
 
@@ -544,8 +552,8 @@ def _fused_sdpa(q, k, v, mask, scale: float, causal: bool):
     shapes = (q.shape, k.shape, v.shape)
     if engine.native_attention(chip.spec.engine.matmul, q.shape[-1], seq_k):
         # the kernel on host buffers (Chip.attends_directly): any lengths, unpadded
-        return _to_torch(chip.attention(_to_jax(q), _to_jax(k), _to_jax(v),
-                                        None if mask is None else to_jax(mask.detach().contiguous()),
+        return _to_torch(chip.attention(_to_host(q), _to_host(k), _to_host(v),
+                                        None if mask is None else mask.detach().contiguous().numpy(),
                                         scale=scale, causal=causal, shapes=shapes))
     pad_q, pad_k = engine.padded_length(seq_q) - seq_q, engine.padded_length(seq_k) - seq_k
     if pad_q or pad_k:

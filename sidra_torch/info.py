@@ -66,7 +66,7 @@ def run(args) -> int:
                   f"ADC {c.adc_pj} pJ/conversion, engine {spec.engine.ops_per_s / 1e12:.1f} TOPS, "
                   f"host link {spec.memory.host_bw / 1e9:.0f} GB/s, programming pulse {c.pulse_s * 1e9:.0f} ns, "
                   f"background power {c.background_w:g} W while busy")
-    console.print(f"Host: crossbar reads and engine INT8 matmuls by {host.dots()}; ISPP write-verify by "
-                  f"{host.programming()}; kernel cache "
+    console.print(f"Host: crossbar reads and engine INT8 matmuls by {host.dots()}; engine non-linearities and "
+                  f"norms by {host.engine_ops()}; ISPP write-verify by {host.programming()}; kernel cache "
                   f"{jax.config.jax_compilation_cache_dir or 'off'} (SIDRA_JAX_CACHE)")
     return 0

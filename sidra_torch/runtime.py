@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+import numpy as np
 import torch
 import torch.compiler as _torch_compiler
 
@@ -195,7 +196,7 @@ def _shapes_only(method):
 
     def run(*args, **kwargs):
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        arrays = [i for i, v in enumerate(leaves) if isinstance(v, jax.Array)]
+        arrays = [i for i, v in enumerate(leaves) if isinstance(v, (jax.Array, np.ndarray))]
 
         def traced(*values):
             filled = list(leaves)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -131,6 +132,56 @@ def test_engine_ops_padded_give_the_unpadded_bits_and_charges(chip_name, op, kw,
         for u, v in zip(a, b):
             np.testing.assert_array_equal(u, v)
     _same_charges(marks)
+
+
+needs_native_engine = pytest.mark.skipif(not host.native_engine(),
+                                         reason="the engine's native kernels do not run on this host")
+
+
+@needs_native_engine
+@pytest.mark.parametrize("chip_name", ["y1", "ideal"])
+@pytest.mark.parametrize("op,kw", [c for c in ENGINE_CALLS if engine.native(c[0], "fp32")],
+                         ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
+def test_engine_ops_on_host_arrays_run_directly_with_the_same_bits_and_charges(chip_name, op, kw):
+    """Host (NumPy) operands call the native kernel straight (Chip.engine): NumPy results, no
+    program at any of 20 row counts, the bits and the charges of the same op on JAX arrays (its
+    custom call at the row bucket)."""
+    chip = sc.Chip.create(chip_name)
+    w = {"weight": np.linspace(0.5, 1.5, 37, dtype=np.float32)} if op in engine.NORMS and "ndim" not in kw else {}
+    xs = [_x((rows, 37), rows, 3.0) for rows in range(1, 21)]
+    hosts = [np.asarray(x) for x in xs]
+    with compiles.record() as log:
+        outs, marks = [], [chip.clock.counters]
+        for x in hosts:
+            outs.append(chip.engine(op, x, **kw, **w))
+            marks.append(chip.clock.counters)
+    assert not log.programs
+    for x, out, c0, c1 in zip(xs, outs, marks, marks[1:]):
+        before = chip.clock.counters
+        ref = chip.engine(op, x, **kw, **{k: jnp.asarray(v) for k, v in w.items()})
+        for got, want in zip(*(o if isinstance(o, tuple) else (o,) for o in (out, ref))):
+            assert isinstance(got, np.ndarray)
+            np.testing.assert_array_equal(got, np.asarray(want))
+        direct = {k: v - c0.as_dict()[k] for k, v in c1.as_dict().items()}
+        via_xla = {k: v - before.as_dict()[k] for k, v in chip.clock.counters.as_dict().items()}
+        assert direct == pytest.approx(via_xla, rel=1e-12, abs=1e-30)
+
+
+def test_host_operands_give_host_results_and_jax_ones_jax_results():
+    """Chip.linear and Chip.attention hand back what they were given where they run directly: a
+    NumPy result for NumPy operands (no JAX array made), a jax.Array for JAX ones; elsewhere
+    (XLA's programs) a jax.Array. The same bits either way."""
+    chip = sc.Chip.create("y1")
+    res = chip.program(np.asarray(_x((64, 32), 1, 0.05)))
+    x = _x((5, 64), 2)
+    reads = crossbar.direct(chip.snapshot(res), np.asarray(x))
+    for a, host_kind in ((np.asarray(x), np.ndarray), (x, jax.Array)):
+        assert isinstance(chip.linear(res, a), host_kind if reads else jax.Array)
+        q = a.reshape(1, 5, 64)
+        attends = chip.attends_directly(q, q, q)
+        assert isinstance(chip.attention(q, q, q, scale=0.1), host_kind if attends else jax.Array)
+    np.testing.assert_array_equal(chip.manual_seed(3) or chip.linear(res, np.asarray(x)),
+                                  chip.manual_seed(3) or np.asarray(chip.linear(res, x)))
 
 
 @pytest.mark.parametrize("chip_name", ["y1", "ideal"])

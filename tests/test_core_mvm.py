@@ -292,18 +292,22 @@ def test_dots_names_the_kernels_that_run_here(monkeypatch):
     assert host.dots() == "XLA's int8/bf16 dots on AMX tiles (the VNNI kernel is not available)"
 
 
-def test_programming_names_where_ispp_runs(monkeypatch):
-    """host.programming() (sidra info, the benchmark headers) follows host.native_ispp()."""
+@pytest.mark.parametrize("switch, native, describe, where, xla", [
+    ("SIDRA_NATIVE_ISPP", "native_ispp", "programming", "cell by cell", "in chunks of pulses"),
+    ("SIDRA_NATIVE_ENGINE", "native_engine", "engine_ops", "any shape", "at row buckets")])
+def test_host_names_where_native_jobs_run(monkeypatch, switch, native, describe, where, xla):
+    """host.programming() and host.engine_ops() (sidra info, the benchmark headers) follow
+    host.native_ispp() and host.native_engine(): the library where it runs, unless switched off."""
     from sidra_core import host, vnni
 
     monkeypatch.setattr(vnni, "available", lambda: True)
-    monkeypatch.delenv("SIDRA_NATIVE_ISPP", raising=False)
-    assert host.native_ispp() and host.programming().startswith("sidra_core.vnni's native library")
-    monkeypatch.setenv("SIDRA_NATIVE_ISPP", "0")
-    assert not host.native_ispp() and host.programming() == "XLA, in chunks of pulses (SIDRA_NATIVE_ISPP=0)"
-    monkeypatch.delenv("SIDRA_NATIVE_ISPP")
+    monkeypatch.delenv(switch, raising=False)
+    assert getattr(host, native)() and getattr(host, describe)() == f"sidra_core.vnni's native library, {where}"
+    monkeypatch.setenv(switch, "0")
+    assert not getattr(host, native)() and getattr(host, describe)() == f"XLA, {xla} ({switch}=0)"
+    monkeypatch.delenv(switch)
     monkeypatch.setattr(vnni, "available", lambda: False)
-    assert host.programming() == "XLA, in chunks of pulses (the native library is not available)"
+    assert getattr(host, describe)() == f"XLA, {xla} (the native library is not available)"
 
 
 def test_host_without_amx_prefers_float32_dots(monkeypatch):

@@ -448,6 +448,7 @@ def test_a_fresh_build_exports_every_kernel(tmp_path):
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     assert lib.SidraTileDots and lib.SidraMvm and lib.SidraEngineMatmul and lib.SidraPackTiles
     assert lib.sidra_mvm_direct and lib.sidra_attention_direct and lib.sidra_ispp_verify and lib.sidra_ispp_pulses
+    assert lib.SidraEngineMap and lib.SidraEngineNorm and lib.sidra_engine_map and lib.sidra_engine_norm
     assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
 
 
@@ -707,3 +708,102 @@ def test_a_kernel_call_where_the_kernel_does_not_run_names_the_cause(monkeypatch
     with pytest.raises(RuntimeError, match="does not run on this host.*AVX-512 VNNI"):
         vnni.attention_direct(np.ones((1, 2, 4), np.float32), np.ones((1, 2, 4), np.float32),
                               np.ones((1, 2, 4), np.float32), scale=1.0, storage="float32")
+
+
+# -- the engine's element-wise ops and norms ------------------------------------------------------
+
+
+def _engine_inputs(shape, seed=0):
+    """Values over the ops' ranges, with the edge cases each must pass: signed zeros, a float32
+    subnormal, values past erf's and tanh's clamps and past float16's range, inf and NaN."""
+    x = (np.random.default_rng(seed).standard_normal(shape) * 4).astype(np.float32)
+    flat = x.reshape(-1)
+    edges = [0.0, -0.0, 1e-40, -3e-39, 3.9, -3.8, 8.5, -25.0, 7e4, -1e5, np.inf, -np.inf, np.nan, 3e-4, -1e-5]
+    flat[:len(edges)] = edges[:flat.size]
+    return x
+
+
+def _xla_engine(fn, *args, **kwargs):
+    """An engine op's XLA steps: traced afresh with the native kernels switched off."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SIDRA_NATIVE_ENGINE", "0")
+        return jax.tree.map(np.asarray, jax.jit(lambda *a: fn.__wrapped__(*a, **kwargs))(*args))
+
+
+@needs_vnni
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("op", vnni.MAP_OPS)
+def test_native_elementwise_ops_are_xlas(op, precision):
+    """The kernel's erf and tanh are XLA:CPU's interpolants (XLA's fused loops differ from its
+    unfused ones by an ulp of erf now and then), sigmoid and SiLU use the kernel's exp: within 3
+    ulp of the format plus 4 float32 ulp of |x| of XLA's fused op, mostly the same bits, NaN
+    where XLA gives NaN. The custom call and the direct call agree to the bit."""
+    x = _engine_inputs((37, 1531))
+    fn = engine.ELEMENTWISE[op]
+    assert engine.native(op, precision)
+    kernel = np.asarray(fn(x, precision=precision))
+    direct = engine.direct(op, x, precision=precision)
+    np.testing.assert_array_equal(kernel, direct)
+    xla = _xla_engine(fn, x, precision=precision)
+    ulp = {"fp32": 2.0 ** -23, "fp16": 2.0 ** -10, "bf16": 2.0 ** -7}[precision]
+    finite = np.isfinite(xla)
+    np.testing.assert_array_equal(np.isnan(kernel), np.isnan(xla))
+    np.testing.assert_array_equal(kernel[~finite & ~np.isnan(xla)], xla[~finite & ~np.isnan(xla)])
+    gap = np.abs(kernel - xla)[finite]
+    assert np.all(gap <= 3 * ulp * np.abs(xla[finite]) + 4 * np.abs(x[finite]) * 2.0 ** -23 + 1e-38)
+    assert np.mean(kernel == xla) > (0.8 if op in ("sigmoid", "silu") and precision == "fp32" else 0.95)
+
+
+@needs_vnni
+def test_the_int8_lut_mode_stays_on_xla():
+    assert not engine.native("gelu", "int8") and engine.native("layer_norm", "int8")
+
+
+@needs_vnni
+@pytest.mark.parametrize("precision,ulp", [("fp32", 2.0 ** -21), ("fp16", 2.0 ** -10), ("bf16", 2.0 ** -7)])
+@pytest.mark.parametrize("op", engine.NORMS)
+@pytest.mark.parametrize("shape,ndim", [((37, 384), 1), ((2, 5, 3, 31), 2), ((0, 16), 1), ((3, 1), 1)])
+def test_native_norms_are_within_a_rounding_of_xlas(op, precision, ulp, shape, ndim):
+    """Layer and RMS norms sum in float32 in another order than XLA: the same result within one
+    unit of the format's last place (scaled by the row's largest output), the statistics too;
+    custom call and direct call to the bit."""
+    x = _engine_inputs(shape, seed=1)
+    x[~np.isfinite(x)] = 1.0
+    x = np.clip(x, -60, 60)
+    rs = np.random.default_rng(2)
+    w = rs.standard_normal(shape[len(shape) - ndim:]).astype(np.float32)
+    b = rs.standard_normal(w.shape).astype(np.float32)
+    if op == "layer_norm":
+        kw = dict(eps=1e-5, ndim=ndim, precision=precision)
+        kernel = engine.layer_norm(x, w, b, stats=True, **kw)
+        direct = engine.direct(op, x, weight=w, bias=b, stats=True, **kw)
+        xla = _xla_engine(engine.layer_norm, x, w, b, stats=True, **kw)
+    else:
+        kw = dict(eps=1e-6, ndim=ndim, precision=precision)
+        kernel, direct, xla = (engine.rms_norm(x, w, **kw), engine.direct(op, x, weight=w, **kw),
+                               _xla_engine(engine.rms_norm, x, w, **kw))
+    for k, d, r in zip(*(t if isinstance(t, tuple) else (t,) for t in (kernel, direct, xla))):
+        np.testing.assert_array_equal(np.asarray(k), d)
+        assert d.shape == r.shape
+        scale = np.abs(r).max(initial=1.0)
+        np.testing.assert_allclose(d, r, rtol=0, atol=2 * ulp * scale)
+
+
+@needs_vnni
+def test_the_bfloat16_rounding_keeps_subnormals_and_nans():
+    """The kernel rounds to bfloat16 by integers, as XLA converts: subnormals are kept (the CPU's
+    conversion instruction flushes them), to nearest even, NaN stays NaN."""
+    x = np.array([1e-39, -2.5e-40, 1.00390625, 1.01171875, 3.3895e38, np.nan, -np.inf] * 3, np.float32)
+    got = engine.direct("relu", np.abs(x), precision="bf16")
+    want = np.asarray(jnp.asarray(np.abs(x)).astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    assert got[0] > 0 and np.isnan(got[5])
+
+
+@needs_vnni
+def test_a_direct_engine_call_refuses_an_unknown_op_or_format():
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="unknown op"):
+        vnni.engine_map_direct(x, "gelu", storage="float8")
+    with pytest.raises(ValueError, match="unknown format"):
+        vnni.engine_norm_direct(x, None, None, eps=1e-5, rms=False, storage="int4")
