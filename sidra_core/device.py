@@ -242,13 +242,12 @@ class Chip:
         (element-wise: of its elements), or unpadded on host buffers (engine.native: a NumPy x then
         gives NumPy results); charges it for its real size."""
         p = self.spec.engine.precision
-        if engine.native(op, p) and _on_host(x, kwargs):
-            y = engine.direct(op, x, precision=p, **kwargs)
-            self.clock.charge(cost.engine(op, int(np.size(x)), self.spec), engine_ops=1)
-            return y
+        direct = engine.native(op, p) and _on_host(x, kwargs)
         # host operands as the bridges' committed arrays: a program is compiled per argument placement
-        kwargs = {k: buckets.put(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-        if op in engine.ELEMENTWISE:
+        kwargs = kwargs if direct else {k: buckets.put(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+        if direct:
+            y = engine.direct(op, x, precision=p, **kwargs)
+        elif op in engine.ELEMENTWISE:
             y = _by_rows(engine.ELEMENTWISE[op], x, 0, precision=p)
         elif op in ("softmax", "log_softmax"):
             axis, last = kwargs.pop("axis", -1) % np.ndim(x), np.ndim(x) - 1
@@ -259,7 +258,7 @@ class Chip:
                 y = _by_rows(getattr(engine, op), m.moveaxis(m.asarray(x), axis, -1), 1, precision=p, **kwargs)
                 y = m.moveaxis(m.asarray(y), -1, axis)
                 y = y if m is jnp else buckets.put(y)
-        elif op in ("layer_norm", "rms_norm"):
+        elif op in engine.NORMS:
             y = _by_rows(getattr(engine, op), x, kwargs.get("ndim", 1), precision=p, **kwargs)
         elif op == "batch_norm":  # channels on axis 1: the batch is the rows
             y = _by_rows(engine.batch_norm, x, np.ndim(x) - 1, precision=p, **kwargs)
