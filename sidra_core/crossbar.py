@@ -157,6 +157,8 @@ def _stuck(ids: np.ndarray, plane: int, spec: ChipSpec) -> np.ndarray:
         return np.zeros(ids.shape, np.int8)
     seed = np.uint32(rng.seed32(spec.seed, 0x57AC, plane))
     rates = (n.stuck_off_rate, n.stuck_on_rate)
+    if host.native_ispp():
+        return vnni.stuck_map(ids, seed, *rates)
     return map_blocks(lambda i: _stuck_map(i, seed, rates), [ids], [0])[0].astype(np.int8)
 
 
@@ -170,6 +172,8 @@ def _nu(ids, plane, seed, spec: ChipSpec) -> np.ndarray:
     if not spec.drifts:
         return np.zeros(ids.shape, np.float32)
     seed = np.uint32(rng.seed32(seed, 0xD21F7, plane))
+    if host.native_ispp():
+        return vnni.drift_exponents(ids, seed, n.drift_nu_mean, n.drift_nu_std)
     return map_blocks(lambda i: _draw_nu(i, seed, n.drift_nu_mean, n.drift_nu_std), [ids], [0])[0]
 
 

@@ -111,9 +111,9 @@ def _where(switch: str, native: str, xla: str) -> str:
 
 
 def native_ispp() -> bool:
-    """Whether ISPP write-verify runs cell by cell in the native kernel library (sidra_core.vnni's
-    build, the same bits as XLA's chunks) rather than in XLA: where that library runs, unless
-    SIDRA_NATIVE_ISPP=0."""
+    """Whether programming runs in the native kernel library (sidra_core.vnni's build, the same bits
+    as XLA): ISPP write-verify cell by cell rather than in XLA's chunks, and the cells' stuck map
+    and drift exponents; where that library runs, unless SIDRA_NATIVE_ISPP=0."""
     return _native("SIDRA_NATIVE_ISPP")
 
 

@@ -102,20 +102,22 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
         g = np.where(stuck, g_start, g_target).astype(np.float32)
         return ISPPResult(g=g, pulses=(g_start != g_target).astype(np.int32))
 
-    g = g_start.copy()
-    out_pulses = np.zeros(g.size, np.int32)
-    if g.size == 0:
-        return ISPPResult(g=g, pulses=out_pulses)
+    if g_start.size == 0:
+        return ISPPResult(g=g_start.copy(), pulses=np.zeros(0, np.int32))
     tol_u, g_min_u = float(n.tolerance * t.g_max / span), float(t.g_min / span)
     seed_u = np.uint32(rng.seed32(seed, 0x15BB))
     relax_seed = np.uint32(rng.seed32(seed, 0x4E1A))
+    params = (tol_u, float(spec.noise.read_sigma), float(n.step0), float(n.ramp), float(n.c2c_sigma),
+              int(n.max_pulses), g_min_u, float(spec.noise.prog_relax_sigma), float(t.g_min), float(span))
+    if host.native_ispp():  # each cell to its end at once: no chunks, no compaction
+        g, pulses = vnni.ispp_write(g_start, g_target, stuck, cell_ids, seed_u, relax_seed, params)
+        return ISPPResult(g=g, pulses=pulses)
+
+    g = g_start.copy()
+    out_pulses = np.zeros(g.size, np.int32)
     verify = (tol_u, float(spec.noise.read_sigma), g_min_u, float(t.g_min), float(span))
-    native = host.native_ispp()
-    if native:
-        failed = vnni.ispp_verify(g_start, g_target, cell_ids, seed_u, *verify)
-    else:
-        (failed,) = map_blocks(lambda a, b, i: _first_verify(a, b, i, seed_u, verify),
-                               [g_start, g_target, cell_ids], [0, 0, 0], size=BLOCK * 4)
+    (failed,) = map_blocks(lambda a, b, i: _first_verify(a, b, i, seed_u, verify),
+                           [g_start, g_target, cell_ids], [0, 0, 0], size=BLOCK * 4)
     failed = np.flatnonzero(failed)
     # A stuck cell never moves, so write-verify pulses it until it gives up.
     out_pulses[failed[stuck[failed]]] = n.max_pulses
@@ -127,15 +129,6 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
     target = (g_target[idx] - np.float32(t.g_min)) / np.float32(span)
     packed = np.full(idx.size, 1 << _DIR_SHIFT, np.int32)  # no pulse, no ramp, no direction yet
     ids = cell_ids[idx]
-    params = (tol_u, float(spec.noise.read_sigma), float(n.step0), float(n.ramp), float(n.c2c_sigma),
-              int(n.max_pulses), g_min_u, float(spec.noise.prog_relax_sigma), float(t.g_min), float(span))
-
-    if native:  # each cell to its end at once: no chunks, no compaction
-        g_end, pulses = vnni.ispp_pulses(u, target, ids, seed_u, relax_seed, params)
-        out_pulses[idx] = pulses
-        moved = pulses > 0
-        g[idx[moved]] = g_end[moved]
-        return ISPPResult(g=g, pulses=out_pulses)
 
     def chunk(u_, tgt, pk, i):
         return _pulse_chunk(u_, tgt, pk, i, seed_u, relax_seed, params)

@@ -7,7 +7,7 @@ call computes every tile's INT8 partial sums and exact read-noise variances (`ti
 the MVM's (`mvm`) is the whole read: the DAC, those dots, the noise draw, the ADC, the tile sum
 and the dequantisation in one pass, drawing the noise as `sidra_core.rng.box_muller` does;
 `mvm_direct` is that read called straight on host buffers (eager reads: no XLA program at any row
-count), and `ispp_verify` / `ispp_pulses` are ISPP write-verify cell by cell (the same bits as
+count), and `ispp_write` is ISPP write-verify cell by cell (the same bits as
 sidra_core.ispp's XLA chunks). It is compiled once per source and jaxlib version into the user's
 cache (a C++ compiler is needed; without one, or on a CPU without AVX-512 VNNI and BF16,
 `available()` is false and XLA's dots and ISPP are used).
@@ -110,8 +110,9 @@ def _entry_points(lib) -> None:
              [p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i64, f32, p, p, i64, p], ctypes.c_int),
             ("engine_map", "sidra_engine_map", [p, i64, i64, i64, p], ctypes.c_int),
             ("engine_norm", "sidra_engine_norm", [p, i64, i64, p, p, f32, i64, i64, p, p, p], ctypes.c_int),
-            ("ispp_verify", "sidra_ispp_verify", [p, p, p, i64, u32, f32, f32, f32, f32, f32, p], None),
-            ("ispp_pulses", "sidra_ispp_pulses", [p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p], None)):
+            ("ispp_write", "sidra_ispp_write", [p, p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p], None),
+            ("drift_exponents", "sidra_drift_exponents", [p, i64, u32, f32, f32, p], None),
+            ("stuck_map", "sidra_stuck_map", [p, i64, u32, f32, f32, p], None)):
         f = getattr(lib, symbol)
         f.argtypes, f.restype = args, result
         _LIB[key] = f
@@ -255,27 +256,36 @@ def _flat(a, dtype) -> np.ndarray:
     return np.ascontiguousarray(np.ravel(a), dtype)
 
 
-def ispp_verify(g0, g1, ids, seed: int, tol_u: float, read_sigma: float, g_min_u: float, g_min: float,
-                span: float) -> np.ndarray:
-    """`ispp._first_verify` in the kernel's threads (the same bits): whether each cell fails its
-    first verify read."""
+def ispp_write(g0, g1, stuck, ids, seed: int, relax_seed: int, params: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """`ispp.program_cells`'s write-verify of cells from g0 towards g1 (siemens; `stuck` cells never
+    move), cell by cell in the kernel's threads (the same bits as its XLA chunks): each cell's final G
+    and pulses given. `params` as ispp._pulse_chunk's."""
     g0, g1, ids = _flat(g0, np.float32), _flat(g1, np.float32), _flat(ids, np.uint32)
-    failed = np.empty(g0.size, np.uint8)
-    _direct("ispp_verify")(g0.ctypes.data, g1.ctypes.data, ids.ctypes.data, g0.size, int(seed), tol_u, read_sigma,
-                           g_min_u, g_min, span, failed.ctypes.data)
-    return failed.view(bool)
-
-
-def ispp_pulses(u, target, ids, seed: int, relax_seed: int, params: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """`ispp._pulse_chunk` repeated until every cell is done, cell by cell in the kernel's threads (the
-    same bits): each cell's final G (siemens) and pulses given. `params` as _pulse_chunk's."""
-    u, target, ids = _flat(u, np.float32), _flat(target, np.float32), _flat(ids, np.uint32)
+    stuck = None if stuck is None else _flat(stuck, np.bool_)
     tol_u, read_sigma, step0, ramp, c2c, max_pulses, g_min_u, relax, g_min, span = params
     floats = np.array([tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span], np.float32)
-    g, pulses = np.empty(u.size, np.float32), np.empty(u.size, np.int32)
-    _direct("ispp_pulses")(u.ctypes.data, target.ctypes.data, ids.ctypes.data, u.size, int(seed), int(relax_seed),
-                           floats.ctypes.data, int(max_pulses), g.ctypes.data, pulses.ctypes.data)
+    g, pulses = np.empty(g0.size, np.float32), np.empty(g0.size, np.int32)
+    _direct("ispp_write")(g0.ctypes.data, g1.ctypes.data, None if stuck is None else stuck.ctypes.data,
+                          ids.ctypes.data, g0.size, int(seed), int(relax_seed), floats.ctypes.data, int(max_pulses),
+                          g.ctypes.data, pulses.ctypes.data)
     return g, pulses
+
+
+def drift_exponents(ids, seed: int, mean: float, std: float) -> np.ndarray:
+    """`crossbar._draw_nu` in the kernel's threads (the same bits): max(mean + std z, 0) per cell id."""
+    ids = np.ascontiguousarray(ids, np.uint32)
+    nu = np.empty(ids.shape, np.float32)
+    _direct("drift_exponents")(ids.ctypes.data, ids.size, int(seed), mean, std, nu.ctypes.data)
+    return nu
+
+
+def stuck_map(ids, seed: int, off: float, on: float) -> np.ndarray:
+    """`crossbar._stuck_map` in the kernel's threads (the same bits): -1 / +1 for cells stuck at
+    G_min / G_max, else 0."""
+    ids = np.ascontiguousarray(ids, np.uint32)
+    out = np.empty(ids.shape, np.int8)
+    _direct("stuck_map")(ids.ctypes.data, ids.size, int(seed), np.float32(off), np.float32(off + on), out.ctypes.data)
+    return out
 
 
 def engine_matmul(a, b, *, qmax: float = 127.0):

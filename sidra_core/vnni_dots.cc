@@ -15,8 +15,8 @@
 // inputs and writes its (rows, N) result once (256 x 1024 x 1024: 4.3 -> 3.8 ms with the tile
 // sums fused, 3.8 -> 3.0 with the DAC and dequantisation as well, which XLA did in three passes).
 // sidra_mvm_direct is the same MVM called on host buffers outside XLA (eager reads: any row count,
-// no program). sidra_ispp_verify / sidra_ispp_pulses are ISPP write-verify (sidra_core.ispp) with
-// sidra_core.rng's draws, cell by cell.
+// no program). sidra_ispp_write is ISPP write-verify (sidra_core.ispp) with sidra_core.rng's draws,
+// cell by cell; sidra_drift_exponents and sidra_stuck_map draw the programmed cells' properties.
 //
 // Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 uint8 (rows, 2, Kp): hi then lo, Kp = grid_k * 256
 // (the dots' inputs; sidra_mvm makes them from x float32 (rows, K));
@@ -1316,10 +1316,12 @@ inline float erfinv(float x) {  // rng._erfinv
 
 constexpr float kRoot2 = 1.4142135623730951f;
 
+inline float open_uniform(uint32_t seed, uint32_t counter) {  // rng.normal's uniform on (-1, 1)
+  return (static_cast<float>(hash_bits(seed, counter) >> 9) + 0.5f) * (2.0f / (1 << 23)) - 1.0f;
+}
+
 inline float normal(uint32_t seed, uint32_t counter) {  // rng.normal
-  const uint32_t b = hash_bits(seed, counter);
-  const float u = (static_cast<float>(b >> 9) + 0.5f) * (2.0f / (1 << 23)) - 1.0f;
-  return kRoot2 * erfinv(u);
+  return kRoot2 * erfinv(open_uniform(seed, counter));
 }
 
 inline void normal_pair(uint32_t seed, uint32_t counter, float& z0, float& z1) {  // rng.normal_pair
@@ -1396,47 +1398,95 @@ void write_verify(const float* u0, const float* target0, const uint32_t* ids, in
 
 }  // namespace
 
-// ispp._first_verify: failed[i] = 1 where cell i (G g0 -> target g1, siemens) fails its first verify read.
-extern "C" void sidra_ispp_verify(const float* g0, const float* g1, const uint32_t* ids, int64_t n, uint32_t seed,
-                                  float tol_u, float read_sigma, float g_min_u, float g_min, float span,
-                                  uint8_t* failed) {
-  const uint32_t s = mix32s(seed);
-  auto work = std::make_shared<Work>();
-  work->items = (n + kIsppCells - 1) / kIsppCells;
-  work->item = [=](int64_t item) {
-    const int64_t lo = item * kIsppCells, hi = std::min(n, lo + kIsppCells);
-    const float* __restrict from = g0;  // locals, not the closure's fields: the loop vectorises
-    const float* __restrict to = g1;
-    const uint32_t* __restrict id = ids;
-    uint8_t* __restrict out = failed;
-    for (int64_t i = lo; i < hi; ++i) {
-      const float u = (from[i] - g_min) / span, target = (to[i] - g_min) / span;
-      const float g_read = std::fma((u + g_min_u) * read_sigma, normal(s, id[i]), u);
-      out[i] = std::fabs(target - g_read) > tol_u ? 1 : 0;
-    }
-  };
-  execute(work, n * 64);
-}
-
-// ispp's pulses for cells at u (normalised) towards target, ids: each cell's final G (siemens)
-// and pulses given. params: tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span.
-extern "C" void sidra_ispp_pulses(const float* u, const float* target, const uint32_t* ids, int64_t n, uint32_t seed,
-                                  uint32_t relax_seed, const float* params, int32_t max_pulses, float* g,
-                                  int32_t* pulses) {
+// ispp.program_cells: cells from g0 towards g1 (siemens, flat), each cell's final G and pulses
+// given. Every cell gets a verify read first; one that passes keeps its G with no pulse, a stuck
+// one that fails is pulsed max_pulses times without moving (a controller gives up only then), the
+// others are written to their end (write_verify), a work item's failing cells gathered into one
+// run so its lanes stay full. params: tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span.
+extern "C" void sidra_ispp_write(const float* g0, const float* g1, const uint8_t* stuck, const uint32_t* ids,
+                                 int64_t n, uint32_t seed, uint32_t relax_seed, const float* params,
+                                 int32_t max_pulses, float* g, int32_t* pulses) {
   const IsppParams a{params[0], params[1], params[2], params[3], params[4], max_pulses,
                      params[5], params[6], params[7], params[8]};
+  const uint32_t verify_seed = mix32s(seed);
   auto work = std::make_shared<Work>();
   work->items = (n + kIsppCells - 1) / kIsppCells;
   work->item = [=](int64_t item) {
     const int64_t lo = item * kIsppCells, hi = std::min(n, lo + kIsppCells);
-    float relax_z[kIsppCells];  // each cell's relaxation draw, keyed by its id alone: all at once
-    if (a.relax != 0)
-      for (int64_t i = lo; i < hi; ++i) relax_z[i - lo] = normal(relax_seed, ids[i]);
-    write_verify(u, target, ids, lo, hi, seed, relax_z, a, g, pulses);
+    alignas(64) float u[kIsppCells], target[kIsppCells], relax_z[kIsppCells], g_end[kIsppCells];
+    alignas(64) uint32_t id[kIsppCells];
+    alignas(64) int32_t given[kIsppCells], cell[kIsppCells];
+    alignas(64) uint8_t failed[kIsppCells];
+    {  // the first verify read (locals, not the closure's fields: the loop vectorises)
+      const float* __restrict from = g0;
+      const float* __restrict to = g1;
+      const uint32_t* __restrict cid = ids;
+      for (int64_t i = lo; i < hi; ++i) {
+        const float ui = (from[i] - a.g_min) / a.span, ti = (to[i] - a.g_min) / a.span;
+        const float g_read = std::fma((ui + a.g_min_u) * a.read_sigma, normal(verify_seed, cid[i]), ui);
+        failed[i - lo] = std::fabs(ti - g_read) > a.tol_u;
+      }
+    }
+    int64_t m = 0;  // the cells to write, gathered
+    for (int64_t i = lo; i < hi; ++i) {
+      g[i] = g0[i];
+      pulses[i] = 0;
+      if (!failed[i - lo]) continue;
+      if (stuck != nullptr && stuck[i]) {
+        pulses[i] = a.max_pulses;
+        continue;
+      }
+      cell[m] = static_cast<int32_t>(i - lo);
+      u[m] = (g0[i] - a.g_min) / a.span;
+      target[m] = (g1[i] - a.g_min) / a.span;
+      id[m] = ids[i];
+      ++m;
+    }
+    if (a.relax != 0)  // each cell's relaxation draw, keyed by its id alone: all at once
+      for (int64_t j = 0; j < m; ++j) relax_z[j] = normal(relax_seed, id[j]);
+    write_verify(u, target, id, 0, m, seed, relax_z, a, g_end, given);
+    for (int64_t j = 0; j < m; ++j) {  // a cell that passes before its first pulse keeps its G exactly
+      const int64_t i = lo + cell[j];
+      pulses[i] = given[j];
+      if (given[j] > 0) g[i] = g_end[j];
+    }
   };
   execute(work, n * 512);
 }
 
+// crossbar._draw_nu: each cell's drift exponent max(mean + std z, 0), z = rng.normal(seed, id), as
+// XLA:CPU computes it: std folded into z's factor root 2, the sum contracted into one FMA.
+extern "C" void sidra_drift_exponents(const uint32_t* ids, int64_t n, uint32_t seed, float mean, float std,
+                                      float* nu) {
+  auto work = std::make_shared<Work>();
+  work->items = (n + kIsppCells - 1) / kIsppCells;
+  work->item = [=](int64_t item) {
+    const int64_t lo = item * kIsppCells, hi = std::min(n, lo + kIsppCells);
+    const uint32_t* __restrict cid = ids;
+    float* __restrict out = nu;
+    const float k = std * kRoot2;
+    for (int64_t i = lo; i < hi; ++i) out[i] = std::max(std::fma(k, erfinv(open_uniform(seed, cid[i])), mean), 0.0f);
+  };
+  execute(work, n * 64);
+}
+
+// crossbar._stuck_map: -1 (stuck at G_min) where rng.uniform(seed, id) < off, +1 (at G_max) where
+// it is below off_on (off + on, rounded to float32), else 0.
+extern "C" void sidra_stuck_map(const uint32_t* ids, int64_t n, uint32_t seed, float off, float off_on,
+                                int8_t* stuck) {
+  auto work = std::make_shared<Work>();
+  work->items = (n + kIsppCells - 1) / kIsppCells;
+  work->item = [=](int64_t item) {
+    const int64_t lo = item * kIsppCells, hi = std::min(n, lo + kIsppCells);
+    const uint32_t* __restrict cid = ids;
+    int8_t* __restrict out = stuck;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float u = as_float((hash_bits(seed, cid[i]) >> 9) | 0x3F800000u) - 1.0f;
+      out[i] = u < off ? -1 : u < off_on ? 1 : 0;
+    }
+  };
+  execute(work, n * 16);
+}
 
 // The MVM of Mvm called directly on host buffers (no XLA program: any row count, no compile).
 // w, corr, s as vnni.pack lays them out, grid_k tiles of nv vectors; s, step null without read

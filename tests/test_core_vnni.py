@@ -300,6 +300,29 @@ def test_native_ispp_is_xlas_to_the_bit(preset, overrides, monkeypatch):
 
 
 @needs_vnni
+@pytest.mark.parametrize("preset,overrides", [("y1", {"noise__stuck_off_rate": 0.01, "noise__stuck_on_rate": 0.005}),
+                                              ("pcm", {})])
+def test_native_programming_is_xlas_to_the_bit(preset, overrides, monkeypatch):
+    """A whole weight programmed natively (write-verify, stuck map, drift exponents) holds XLA's
+    state to the bit: every plane's conductances, stuck cells, exponents and write counts."""
+    import sidra_core as sc
+    from sidra_core import crossbar
+
+    spec = sc.preset(preset, **overrides)
+    w = np.random.default_rng(3).normal(0, 0.05, (300, 300)).astype(np.float32)
+    native = crossbar.program(w, spec, seed=4, t_now=2.0, tile_ids=(5, 9, 11, 2))
+    monkeypatch.setenv("SIDRA_NATIVE_ISPP", "0")
+    xla = crossbar.program(w, spec, seed=4, t_now=2.0, tile_ids=(5, 9, 11, 2))
+    assert native.programming == xla.programming and native.programming.pulses > 0
+    for plane in ("plus", "minus"):
+        for field in ("g", "stuck", "nu", "writes", "t_prog"):
+            np.testing.assert_array_equal(getattr(native, f"{field}_{plane}"), getattr(xla, f"{field}_{plane}"))
+    stuck = (native.stuck_plus != 0).mean()
+    assert stuck == pytest.approx(spec.noise.stuck_off_rate + spec.noise.stuck_on_rate, rel=0.2, abs=1e-4)
+    assert (native.nu_plus > 0).any()
+
+
+@needs_vnni
 def test_a_row_with_a_nan_or_an_infinity_gives_nans_and_leaves_the_others():
     w, var, _ = _operands(6, 300, 40, 2, seed=2)
     x = _inputs(6, 300, seed=3)
@@ -447,7 +470,8 @@ def test_a_fresh_build_exports_every_kernel(tmp_path):
     vnni._build(tmp_path / "k.so")
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     assert lib.SidraTileDots and lib.SidraMvm and lib.SidraEngineMatmul and lib.SidraPackTiles
-    assert lib.sidra_mvm_direct and lib.sidra_attention_direct and lib.sidra_ispp_verify and lib.sidra_ispp_pulses
+    assert lib.sidra_mvm_direct and lib.sidra_attention_direct and lib.sidra_ispp_write and lib.sidra_drift_exponents
+    assert lib.sidra_stuck_map
     assert lib.SidraEngineMap and lib.SidraEngineNorm and lib.sidra_engine_map and lib.sidra_engine_norm
     assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
 
