@@ -1396,6 +1396,18 @@ void write_verify(const float* u0, const float* target0, const uint32_t* ids, in
   }
 }
 
+// body(lo, hi) over cells [0, n) in work items of kIsppCells, `cost` MACs' worth a cell.
+template <class Body>
+void for_cells(int64_t n, int64_t cost, Body body) {
+  auto work = std::make_shared<Work>();
+  work->items = (n + kIsppCells - 1) / kIsppCells;
+  work->item = [=](int64_t item) {
+    const int64_t lo = item * kIsppCells;
+    body(lo, std::min(n, lo + kIsppCells));
+  };
+  execute(work, n * cost);
+}
+
 }  // namespace
 
 // ispp.program_cells: cells from g0 towards g1 (siemens, flat), each cell's final G and pulses
@@ -1409,10 +1421,7 @@ extern "C" void sidra_ispp_write(const float* g0, const float* g1, const uint8_t
   const IsppParams a{params[0], params[1], params[2], params[3], params[4], max_pulses,
                      params[5], params[6], params[7], params[8]};
   const uint32_t verify_seed = mix32s(seed);
-  auto work = std::make_shared<Work>();
-  work->items = (n + kIsppCells - 1) / kIsppCells;
-  work->item = [=](int64_t item) {
-    const int64_t lo = item * kIsppCells, hi = std::min(n, lo + kIsppCells);
+  for_cells(n, 512, [=](int64_t lo, int64_t hi) {
     alignas(64) float u[kIsppCells], target[kIsppCells], relax_z[kIsppCells], g_end[kIsppCells];
     alignas(64) uint32_t id[kIsppCells];
     alignas(64) int32_t given[kIsppCells], cell[kIsppCells];
@@ -1450,42 +1459,33 @@ extern "C" void sidra_ispp_write(const float* g0, const float* g1, const uint8_t
       pulses[i] = given[j];
       if (given[j] > 0) g[i] = g_end[j];
     }
-  };
-  execute(work, n * 512);
+  });
 }
 
 // crossbar._draw_nu: each cell's drift exponent max(mean + std z, 0), z = rng.normal(seed, id), as
 // XLA:CPU computes it: std folded into z's factor root 2, the sum contracted into one FMA.
 extern "C" void sidra_drift_exponents(const uint32_t* ids, int64_t n, uint32_t seed, float mean, float std,
                                       float* nu) {
-  auto work = std::make_shared<Work>();
-  work->items = (n + kIsppCells - 1) / kIsppCells;
-  work->item = [=](int64_t item) {
-    const int64_t lo = item * kIsppCells, hi = std::min(n, lo + kIsppCells);
+  const float k = std * kRoot2;
+  for_cells(n, 64, [=](int64_t lo, int64_t hi) {
     const uint32_t* __restrict cid = ids;
     float* __restrict out = nu;
-    const float k = std * kRoot2;
     for (int64_t i = lo; i < hi; ++i) out[i] = std::max(std::fma(k, erfinv(open_uniform(seed, cid[i])), mean), 0.0f);
-  };
-  execute(work, n * 64);
+  });
 }
 
 // crossbar._stuck_map: -1 (stuck at G_min) where rng.uniform(seed, id) < off, +1 (at G_max) where
 // it is below off_on (off + on, rounded to float32), else 0.
 extern "C" void sidra_stuck_map(const uint32_t* ids, int64_t n, uint32_t seed, float off, float off_on,
                                 int8_t* stuck) {
-  auto work = std::make_shared<Work>();
-  work->items = (n + kIsppCells - 1) / kIsppCells;
-  work->item = [=](int64_t item) {
-    const int64_t lo = item * kIsppCells, hi = std::min(n, lo + kIsppCells);
+  for_cells(n, 16, [=](int64_t lo, int64_t hi) {
     const uint32_t* __restrict cid = ids;
     int8_t* __restrict out = stuck;
     for (int64_t i = lo; i < hi; ++i) {
       const float u = as_float((hash_bits(seed, cid[i]) >> 9) | 0x3F800000u) - 1.0f;
       out[i] = u < off ? -1 : u < off_on ? 1 : 0;
     }
-  };
-  execute(work, n * 16);
+  });
 }
 
 // The MVM of Mvm called directly on host buffers (no XLA program: any row count, no compile).
