@@ -271,21 +271,28 @@ constexpr float kCos[] = {static_cast<float>(1.0 / 479001600), static_cast<float
                           static_cast<float>(1.0 / 40320), static_cast<float>(-1.0 / 720),
                           static_cast<float>(1.0 / 24), -0.5f, 1.0f};
 
-inline void box_muller(__m512i seed, __m512i counter, __m512& z0, __m512& z1) {
+inline __m512i hash_bits(__m512i seed, __m512i counter) {  // rng.bits
   const __m512i h = _mm512_xor_si512(_mm512_mullo_epi32(counter, _mm512_set1_epi32(static_cast<int>(0x9E3779B9u))),
                                      seed);
-  const __m512i b = mix32(_mm512_add_epi32(mix32(h), _mm512_xor_si512(seed, _mm512_set1_epi32(0x68E31DA4))));
-  // r = sqrt(-2 log u1), the log from the exponent and a polynomial of the mantissa
-  const __m512i ub = _mm512_castps_si512(uniform_bits(b));
-  const __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(ub, 23), _mm512_set1_epi32(0xFF)),
+  return mix32(_mm512_add_epi32(mix32(h), _mm512_xor_si512(seed, _mm512_set1_epi32(0x68E31DA4))));
+}
+
+inline __m512 log_poly(__m512 x) {  // rng._log: the exponent and a polynomial of the mantissa
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 23), _mm512_set1_epi32(0xFF)),
                                                        _mm512_set1_epi32(127)));
-  const __m512 t = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(ub, _mm512_set1_epi32(0x7FFFFF)),
+  const __m512 t = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFF)),
                                                                      _mm512_set1_epi32(0x3F800000))),
                                  _mm512_set1_ps(1.0f));
   __m512 p = _mm512_set1_ps(kLog[0]);
   for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(kLog[i]));
-  const __m512 lg = _mm512_fmadd_ps(e, _mm512_set1_ps(0.6931471805599453f), _mm512_mul_ps(p, t));
-  const __m512 r = _mm512_sqrt_ps(_mm512_mul_ps(_mm512_set1_ps(-2.0f), lg));
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.6931471805599453f), _mm512_mul_ps(p, t));
+}
+
+inline void box_muller(__m512i seed, __m512i counter, __m512& z0, __m512& z1) {
+  const __m512i b = hash_bits(seed, counter);
+  // r = sqrt(-2 log u1)
+  const __m512 r = _mm512_sqrt_ps(_mm512_mul_ps(_mm512_set1_ps(-2.0f), log_poly(uniform_bits(b))));
   // the angle 2 pi t from re-mixed bits; sine and cosine of its half by the double-angle formulas
   const __m512i b2 = mix32(_mm512_xor_si512(b, _mm512_set1_epi32(0x5BD1E995)));
   const __m512 a = _mm512_mul_ps(_mm512_set1_ps(3.14159265358979f),
@@ -1324,13 +1331,6 @@ inline float normal(uint32_t seed, uint32_t counter) {  // rng.normal
   return kRoot2 * erfinv(open_uniform(seed, counter));
 }
 
-inline void normal_pair(uint32_t seed, uint32_t counter, float& z0, float& z1) {  // rng.normal_pair
-  const uint32_t b = hash_bits(seed, counter);
-  constexpr float scale = 2.0f / (1 << 16);
-  z0 = kRoot2 * erfinv((static_cast<float>(b >> 16) + 0.5f) * scale - 1.0f);
-  z1 = kRoot2 * erfinv((static_cast<float>(b & 0xFFFF) + 0.5f) * scale - 1.0f);
-}
-
 // ispp's parameters, in its order (_first_verify's are the subset it names).
 struct IsppParams {
   float tol_u, read_sigma, step0, ramp, c2c;
@@ -1340,58 +1340,94 @@ struct IsppParams {
 
 constexpr int64_t kIsppCells = 4096;  // cells of one work item
 
-// Cells [lo, hi) written towards their targets: their final G (siemens) and pulses given, as
-// ispp._pulse_chunk's steps repeated until each cell is done, then its relaxation. kIsppLanes cells
-// step at once (the loop over lanes is vectorised); a lane whose cell is done takes the next one.
-constexpr int kIsppLanes = 16;
+inline __m512 erfinv(__m512 x) {  // rng._erfinv; its tail polynomial only where a lane needs it
+  const __m512 w = _mm512_castsi512_ps(_mm512_xor_si512(
+      _mm512_castps_si512(log_poly(_mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), x),
+                                                 _mm512_add_ps(_mm512_set1_ps(1.0f), x)))),
+      _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  const __m512 w1 = _mm512_sub_ps(w, _mm512_set1_ps(2.5f));
+  __m512 p = _mm512_set1_ps(kErfinv1[0]);
+  for (int i = 1; i < 9; ++i) p = _mm512_fmadd_ps(p, w1, _mm512_set1_ps(kErfinv1[i]));
+  const __mmask16 tail = _mm512_cmp_ps_mask(w, _mm512_set1_ps(5.0f), _CMP_NLT_UQ);
+  if (tail) {
+    const __m512 w2 = _mm512_sub_ps(_mm512_sqrt_ps(w), _mm512_set1_ps(3.0f));
+    __m512 p2 = _mm512_set1_ps(kErfinv2[0]);
+    for (int i = 1; i < 9; ++i) p2 = _mm512_fmadd_ps(p2, w2, _mm512_set1_ps(kErfinv2[i]));
+    p = _mm512_mask_mov_ps(p, tail, p2);
+  }
+  return _mm512_mul_ps(p, x);
+}
 
-void write_verify(const float* u0, const float* target0, const uint32_t* ids, int64_t lo, int64_t hi, uint32_t seed,
+// Cells [0, m) written towards their targets: their final G (siemens) and pulses given, as
+// ispp._pulse_chunk's steps repeated until each cell is done, then its relaxation. A vector's 16
+// lanes step 16 cells at once; a lane whose cell is done takes the next one (an expanding load).
+void write_verify(const float* u0, const float* target0, const uint32_t* ids, int32_t m, uint32_t seed,
                   const float* relax_z, const IsppParams& a, float* g, int32_t* pulses) {
-  alignas(64) float u[kIsppLanes], target[kIsppLanes];
-  alignas(64) uint32_t id[kIsppLanes];
-  alignas(64) int32_t n[kIsppLanes], ramp_n[kIsppLanes], last_dir[kIsppLanes], done[kIsppLanes];
-  int64_t cell[kIsppLanes];
-  int64_t next = lo;
-  int live = 0;
-  auto load = [&](int l) {
-    cell[l] = next < hi ? next++ : -1;
-    const int64_t c = cell[l] < 0 ? lo : cell[l];  // an idle lane repeats a cell, unused
-    u[l] = u0[c];
-    target[l] = target0[c];
-    id[l] = ids[c];
-    n[l] = ramp_n[l] = last_dir[l] = 0;
-    live += cell[l] >= 0;
-  };
-  for (int l = 0; l < kIsppLanes; ++l) load(l);
-  while (live) {
-    for (int l = 0; l < kIsppLanes; ++l) {  // one verify read and, unless it passes, one pulse
-      float read_draw, c2c_draw;
-      normal_pair(seed + static_cast<uint32_t>(n[l]) * 2654435761u, id[l], read_draw, c2c_draw);
-      const float g_read = std::fma((u[l] + a.g_min_u) * a.read_sigma, read_draw, u[l]);
-      const float err = target[l] - g_read;
-      const bool fin = (std::fabs(err) <= a.tol_u) | (n[l] >= a.max_pulses);
-      const int32_t direction = err > 0 ? 1 : -1;
-      const int32_t ramp = direction == last_dir[l] ? ramp_n[l] + 1 : 0;
-      const float step = a.step0 * std::fma(a.ramp, static_cast<float>(ramp), 1.0f) *
-                         std::max(std::fma(a.c2c, c2c_draw, 1.0f), 0.0f);
-      const float up = step * (1.0f - u[l]), down = -step * u[l];  // both, then a select: no branch
-      const float du = direction > 0 ? up : down;
-      const float moved = std::min(std::max(u[l] + du, 0.0f), 1.0f);
-      done[l] = fin;
-      u[l] = fin ? u[l] : moved;
-      ramp_n[l] = fin ? ramp_n[l] : ramp;
-      last_dir[l] = fin ? last_dir[l] : direction;
-      n[l] = fin ? n[l] : n[l] + 1;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+  const __m512 fzero = _mm512_setzero_ps(), fone = _mm512_set1_ps(1.0f);
+  const __m512 scale = _mm512_set1_ps(2.0f / (1 << 16)), root2 = _mm512_set1_ps(kRoot2);
+  __m512 u = fzero, target = fzero;
+  __m512i id = zero, cell = zero, n = zero, ramp_n = zero, last_dir = zero;
+  __mmask16 idle = 0xFFFF;
+  int32_t next = 0;
+  for (;;) {
+    if (idle && next < m) {  // the idle lanes take the next cells, in order
+      const int lanes = __builtin_popcount(idle), take = std::min(lanes, static_cast<int>(m - next));
+      unsigned fill = idle;
+      if (take < lanes) {  // the last cells: the lowest `take` idle lanes
+        fill = 0;
+        for (unsigned rest = idle; __builtin_popcount(fill) < take; rest &= rest - 1) fill |= rest & (0u - rest);
+      }
+      cell = _mm512_mask_expand_epi32(cell, fill, _mm512_add_epi32(lane, _mm512_set1_epi32(next)));
+      u = _mm512_mask_expandloadu_ps(u, fill, u0 + next);
+      target = _mm512_mask_expandloadu_ps(target, fill, target0 + next);
+      id = _mm512_mask_expandloadu_epi32(id, fill, ids + next);
+      n = _mm512_mask_mov_epi32(n, fill, zero);
+      ramp_n = _mm512_mask_mov_epi32(ramp_n, fill, zero);
+      last_dir = _mm512_mask_mov_epi32(last_dir, fill, zero);
+      next += take;
+      idle = static_cast<__mmask16>(idle & ~fill);
     }
-    for (int l = 0; l < kIsppLanes; ++l) {
-      if (!done[l] || cell[l] < 0) continue;
-      const float settled =
-          a.relax == 0 ? u[l]
-                       : std::clamp(std::fma((u[l] + a.g_min_u) * a.relax, relax_z[cell[l] - lo], u[l]), 0.0f, 1.0f);
-      g[cell[l]] = std::fma(settled, a.span, a.g_min);
-      pulses[cell[l]] = n[l];
-      --live;
-      load(l);
+    if (idle == 0xFFFF) return;
+    // one verify read and, unless it passes, one pulse: both draws from one hash (rng.normal_pair)
+    const __m512i b = hash_bits(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(seed)),
+                                                 _mm512_mullo_epi32(n, _mm512_set1_epi32(static_cast<int>(2654435761u)))),
+                                id);
+    const __m512 read_draw = _mm512_mul_ps(root2, erfinv(_mm512_sub_ps(
+        _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 16)), _mm512_set1_ps(0.5f)), scale), fone)));
+    const __m512 c2c_draw = _mm512_mul_ps(root2, erfinv(_mm512_sub_ps(
+        _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xFFFF))),
+                                    _mm512_set1_ps(0.5f)), scale), fone)));
+    const __m512 g_read = _mm512_fmadd_ps(
+        _mm512_mul_ps(_mm512_add_ps(u, _mm512_set1_ps(a.g_min_u)), _mm512_set1_ps(a.read_sigma)), read_draw, u);
+    const __m512 err = _mm512_sub_ps(target, g_read);
+    const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(err), _mm512_set1_ps(a.tol_u), _CMP_LE_OQ) |
+                          _mm512_cmp_epi32_mask(n, _mm512_set1_epi32(a.max_pulses), _MM_CMPINT_NLT);
+    const __mmask16 up = _mm512_cmp_ps_mask(err, fzero, _CMP_GT_OQ);
+    const __m512i direction = _mm512_mask_mov_epi32(_mm512_set1_epi32(-1), up, one);
+    const __m512i ramp = _mm512_maskz_add_epi32(_mm512_cmpeq_epi32_mask(direction, last_dir), ramp_n, one);
+    const __m512 step = _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_set1_ps(a.step0), _mm512_fmadd_ps(_mm512_set1_ps(a.ramp), _mm512_cvtepi32_ps(ramp), fone)),
+        _mm512_max_ps(_mm512_fmadd_ps(_mm512_set1_ps(a.c2c), c2c_draw, fone), fzero));
+    const __m512 du = _mm512_mask_mov_ps(
+        _mm512_mul_ps(_mm512_sub_ps(fzero, step), u), up, _mm512_mul_ps(step, _mm512_sub_ps(fone, u)));
+    const __m512 moved = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(u, du), fzero), fone);
+    const __mmask16 pulse = static_cast<__mmask16>(~fin & ~idle), done = static_cast<__mmask16>(fin & ~idle);
+    u = _mm512_mask_mov_ps(u, pulse, moved);
+    ramp_n = _mm512_mask_mov_epi32(ramp_n, pulse, ramp);
+    last_dir = _mm512_mask_mov_epi32(last_dir, pulse, direction);
+    n = _mm512_mask_add_epi32(n, pulse, n, one);
+    if (done) {  // relaxation right after the last verify, then the cell's G and pulses out
+      __m512 settled = u;
+      if (a.relax != 0) {
+        const __m512 z = _mm512_mask_i32gather_ps(fzero, done, cell, relax_z, 4);
+        settled = _mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(
+            _mm512_mul_ps(_mm512_add_ps(u, _mm512_set1_ps(a.g_min_u)), _mm512_set1_ps(a.relax)), z, u), fzero), fone);
+      }
+      _mm512_mask_i32scatter_ps(g, done, cell, _mm512_fmadd_ps(settled, _mm512_set1_ps(a.span), _mm512_set1_ps(a.g_min)), 4);
+      _mm512_mask_i32scatter_epi32(pulses, done, cell, n, 4);
+      idle |= done;
     }
   }
 }
@@ -1453,7 +1489,7 @@ extern "C" void sidra_ispp_write(const float* g0, const float* g1, const uint8_t
     }
     if (a.relax != 0)  // each cell's relaxation draw, keyed by its id alone: all at once
       for (int64_t j = 0; j < m; ++j) relax_z[j] = normal(relax_seed, id[j]);
-    write_verify(u, target, id, 0, m, seed, relax_z, a, g_end, given);
+    write_verify(u, target, id, static_cast<int32_t>(m), seed, relax_z, a, g_end, given);
     for (int64_t j = 0; j < m; ++j) {  // a cell that passes before its first pulse keeps its G exactly
       const int64_t i = lo + cell[j];
       pulses[i] = given[j];
