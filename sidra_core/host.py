@@ -118,7 +118,7 @@ def native_ispp() -> bool:
 
 
 def programming() -> str:
-    """Where ISPP write-verify runs on this host, and why."""
+    """Where programming (ISPP write-verify and the cells' draws) runs on this host, and why."""
     return _where("SIDRA_NATIVE_ISPP", "cell by cell", "in chunks of pulses")
 
 
