@@ -30,7 +30,9 @@ def best_of_rounds(timed: dict, repeat: int, rounds: int, warmup: int = 2) -> di
 
 
 def host_kind() -> str:
-    """Which dots, engine kernels and ISPP the simulator uses on this host (the ratios depend on them)."""
+    """Which dots, engine kernels, ISPP and snapshots the simulator uses on this host (the ratios depend
+    on them)."""
     from sidra_core import host
 
-    return f"host: {host.dots()}; engine ops by {host.engine_ops()}; ISPP by {host.programming()}"
+    return (f"host: {host.dots()}; engine ops by {host.engine_ops()}; ISPP by {host.programming()}; "
+            f"snapshots by {host.snapshots()}")

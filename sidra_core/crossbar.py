@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from . import buckets, host, rng, vnni
+from . import buckets, dlpack, host, rng, vnni
 from .blocks import map_blocks
 from .ispp import program_cells
 from .mapping import TileGrid, tile_grid
@@ -390,6 +391,8 @@ def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=Non
         nu[stuck != 0] = 0.0
         # Fresh programming: program_cells already returns every cell's G (the unwritten ones unchanged).
         g = g_new.reshape(g_old.shape) if sel is None and start is None else _merge(g_old, g_new, hit, sel)
+        # the cells a snapshot reads, where XLA shares them rather than copying them on every read
+        g, nu = dlpack.aligned(g), dlpack.aligned(nu)
         fields = {f"g_{name}": g, f"nu_{name}": nu, f"writes_{name}": writes,
                   f"t_prog_{name}": _merge(getattr(state, f"t_prog_{name}"), np.float32(t_now), hit, sel)}
         return fields, ProgrammingReport(
@@ -485,19 +488,48 @@ class Snapshot:
 
 def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
     """Conductances at device time `t_now`: G(t) = G_prog ((t - t_prog + t0)/t0)^-nu."""
-    n = spec.noise
     if not spec.drifts:
         return state.g_plus, state.g_minus
-    now, t0 = np.float32(t_now), np.float32(n.drift_t0)
-    arrays = [state.g_plus, state.g_minus, state.nu_plus, state.nu_minus, state.t_prog_plus, state.t_prog_minus]
-    return tuple(map_blocks(lambda *a: _drift_kernel(*a, now, t0), arrays, [0] * 6))
+    age_p, age_m = _log_ages(state, t_now, spec)
+    arrays = [state.g_plus, state.g_minus, state.nu_plus, state.nu_minus]
+    if np.ndim(age_p) == 0:  # written at once: one age
+        return tuple(map_blocks(lambda *a: _drift_kernel(*a, age_p, age_m), arrays, [0] * 4))
+    return tuple(map_blocks(_drift_kernel, [*arrays, age_p, age_m], [0] * 6))
+
+
+def _log_ages(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
+    """ln(1 + (t - t_prog) / t0) of each plane's cells, the drift exponent's factor: one value for a
+    weight written at once. Computed in float64 on the host and rounded to float32, so that every
+    backend drifts a cell by the same factor."""
+    t0 = spec.noise.drift_t0
+    if state.written_at_once:
+        age = np.float32(math.log1p(max(t_now - state.t_latest, 0.0) / t0))
+        return age, age
+    return tuple(np.log1p(np.maximum(t_now - t.astype(np.float64), 0.0) / t0).astype(np.float32)
+                 for t in (state.t_prog_plus, state.t_prog_minus))
+
+
+# e^x as a short polynomial that the native snapshot repeats operation for operation (XLA's own exp
+# would have to be matched bit for bit): x = n ln2 + r with ln2 in two parts (Cephes), |r| <= ln2/2,
+# e^r by its degree-7 Taylor polynomial (truncation < 3e-9 relative), times 2^n.
+_EXP_TAYLOR = tuple(1.0 / math.factorial(i) for i in range(7, -1, -1))  # highest order first
+_LOG2E, _LN2_HI, _LN2_LO = 1.4426950408889634, 0.693359375, -2.12194440e-4
+
+
+def _exp(x):
+    n = jnp.clip(jnp.floor(x * jnp.float32(_LOG2E) + 0.5), -126.0, 127.0)
+    r = x + n * jnp.float32(-_LN2_HI)
+    r = r + n * jnp.float32(-_LN2_LO)
+    p = jnp.float32(_EXP_TAYLOR[0])
+    for c in _EXP_TAYLOR[1:]:
+        p = c + p * r
+    return p * lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
 
 
 @jax.jit
-def _drift_kernel(gp, gm, nu_p, nu_m, t_prog_p, t_prog_m, now, t0):
-    def drift(g, nu, t_prog):
-        return g * jnp.exp(-nu * jnp.log1p(jnp.maximum(now - t_prog, 0.0) / t0))
-    return drift(gp, nu_p, t_prog_p), drift(gm, nu_m, t_prog_m)
+def _drift_kernel(gp, gm, nu_p, nu_m, age_p, age_m):
+    """Each plane's G drifted by (1 + (t - t_prog) / t0)^-nu, given the log ages (_log_ages)."""
+    return gp * _exp(-nu_p * age_p), gm * _exp(-nu_m * age_m)
 
 
 def _ir_factor(a: float, g_max: float, gp, gm, grid: TileGrid):
@@ -522,7 +554,7 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     codes = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and state.target_w is None
     packed = codes and host.vnni_dots()
     read = _Read(
-        grid=grid, drift=drift, ir_drop=float(n.ir_drop), g_max=float(spec.tile.g_max),
+        grid=grid, ir_drop=float(n.ir_drop), g_max=float(spec.tile.g_max),
         dg=1.0 if state.target_w is not None else (spec.tile.g_max - spec.tile.g_min) / QMAX,
         read_sigma=float(n.read_sigma), compensate=bool(n.drift_compensation), split=codes,
         int_dots=host.LOW_PRECISION_DOTS or packed, var_dtype=host.narrow_float(),
@@ -532,18 +564,19 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     # packed for the VNNI kernel in the same program, as (whole, fraction) pairs first: an array
     # that turns out to hold whole codes only (an exact chip) is read again as one term
     read = dataclasses.replace(read, packed=2 if packed and not read.narrow else 0)
-    history = ()
-    if drift:  # written at one time (a fresh weight): one programming time, not an array per plane
-        history = (state.nu_plus, state.nu_minus) + (
-            (np.float32(state.t_latest),) * 2 if state.written_at_once else (state.t_prog_plus, state.t_prog_minus))
-    args = (state.g_plus, state.g_minus, history, state.ref_norm, np.float32(t_now), np.float32(n.drift_t0))
-    w, corr, var, var_scale, gain, has_fraction = _read_array(*args, read)
-    terms = 0 if not codes else 2 if bool(has_fraction) else 1
-    if read.packed and terms == 1:
-        read = dataclasses.replace(read, packed=1)
-        w, corr, var, var_scale, gain, _ = _read_array(*args, read)
-    elif not read.packed:
-        w = w[1] if terms == 2 else w[0]  # (whole, pair)
+    ages = _log_ages(state, t_now, spec) if drift else None
+    if (read.packed and not read.ir_drop and not read.compensate and (ages is None or np.ndim(ages[0]) == 0)
+            and host.native_snapshot()):
+        w, corr, var, var_scale, gain, terms = _read_native(state, ages, read)
+    else:  # the drifted cells first, in a program of their own (as drifted() gives them), then the read
+        args = (*(buckets.put(g) for g in drifted(state, t_now, spec)), state.ref_norm)
+        w, corr, var, var_scale, gain, has_fraction = _read_array(*args, read)
+        terms = 0 if not codes else 2 if bool(has_fraction) else 1
+        if read.packed and terms == 1:
+            read = dataclasses.replace(read, packed=1)
+            w, corr, var, var_scale, gain, _ = _read_array(*args, read)
+        elif not read.packed:
+            w = w[1] if terms == 2 else w[0]  # (whole, pair)
     lsb = None
     if spec.adc.enabled:
         lsb = (state.adc_full_scale[:, :grid.n] / np.float32(2 ** (spec.adc.bits - 1) - 1)).astype(np.float32)
@@ -556,12 +589,24 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     )
 
 
+def _read_native(state: ProgrammedWeight, ages, read: "_Read"):
+    """_read_array's packed read in the native library (vnni.snapshot), drifted by the log ages
+    (None: no drift): the same codes, levels and steps, no program per weight shape."""
+    grid = read.grid
+    nu = (state.nu_plus, state.nu_minus) if ages is not None else (None, None)
+    var_c = float(np.float32((read.read_sigma / read.dg) ** 2)) if read.read_sigma > 0 else None
+    wp, corr, sp, step, terms = vnni.snapshot(
+        state.g_plus, state.g_minus, *nu, *(ages or (0.0, 0.0)), grid_k=grid.grid_k, grid_n=grid.grid_n,
+        cols=grid.cols, k=grid.k, n=grid.n, dg=read.dg, var_c=var_c)
+    return ((buckets.put(wp),), buckets.put(corr), None if sp is None else (buckets.put(sp),),
+            None if step is None else buckets.put(step), None, terms)
+
+
 @dataclass(frozen=True)
 class _Read:
     """What a read of one weight's array involves (static: one compiled read per weight kind)."""
 
     grid: TileGrid
-    drift: bool
     ir_drop: float
     g_max: float
     dg: float
@@ -575,12 +620,10 @@ class _Read:
 
 
 @partial(jax.jit, static_argnames=("read",))
-def _read_array(gp, gm, history, ref_norm, now, t0, read: _Read):
-    """The snapshot's device arrays from the programmed state, in one program: drift to `now`,
-    IR drop, weights and read-noise variances in code units, the drift-compensation gain."""
+def _read_array(gp, gm, ref_norm, read: _Read):
+    """The snapshot's device arrays from the drifted conductances, in one program: IR drop, weights
+    and read-noise variances in code units, the drift-compensation gain."""
     grid = read.grid
-    if read.drift:
-        gp, gm = _drift_kernel(gp, gm, *history, now, t0)
     if read.ir_drop > 0:
         f = _ir_factor(read.ir_drop, read.g_max, gp, gm, grid)
         gp, gm = gp * f, gm * f

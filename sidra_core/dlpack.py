@@ -13,6 +13,7 @@ path for good.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 try:  # jaxlib's C++ DLPack import and the version of its signature (capsule, device, stream, copy, type)
     from jax._src.lib import _jax, jaxlib_extension_version
@@ -66,3 +67,25 @@ def to_jax(t) -> jax.Array:
     if not _state["checked"] and not _check(t):
         return _public(t)
     return _fast(t) if _IMPORT is not None else _public(t)
+
+
+ALIGNMENT = 64  # XLA:CPU shares a host buffer aligned to this through DLPack; it copies any other
+
+
+def empty(shape, dtype) -> np.ndarray:
+    """An uninitialised NumPy array at an ALIGNMENT-byte boundary, which `to_jax` shares."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -buf.ctypes.data % ALIGNMENT
+    return buf[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned(a: np.ndarray) -> np.ndarray:
+    """`a`, or a copy of it at an ALIGNMENT-byte boundary where it is not at one: for arrays that
+    every read hands to XLA (a weight's cells), so that `to_jax` shares them instead of copying."""
+    if a.ctypes.data % ALIGNMENT == 0 and a.flags.c_contiguous and a.flags.writeable:
+        return a
+    out = empty(a.shape, a.dtype)
+    out[...] = a
+    return out

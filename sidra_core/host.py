@@ -122,6 +122,19 @@ def programming() -> str:
     return _where("SIDRA_NATIVE_ISPP", "cell by cell", "in chunks of pulses")
 
 
+def native_snapshot() -> bool:
+    """Whether a packed snapshot (the VNNI kernel's tiles) is read in the native library (the same
+    codes as XLA's program; no program per weight shape) rather than by XLA: where that library
+    runs, unless SIDRA_NATIVE_SNAPSHOT=0. A weight with IR drop or drift compensation, or
+    reprogrammed cell by cell, is read by XLA either way."""
+    return _native("SIDRA_NATIVE_SNAPSHOT")
+
+
+def snapshots() -> str:
+    """Where packed snapshots are read on this host, and why."""
+    return _where("SIDRA_NATIVE_SNAPSHOT", "any shape", "a program per weight shape")
+
+
 def native_engine() -> bool:
     """Whether the compute engine's element-wise non-linearities and norms run as the native
     library's kernels (in XLA programs as custom calls, eagerly on host buffers: any shape, no

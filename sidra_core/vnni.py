@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import dlpack
+
 TARGET = "sidra_tile_dots"
 MVM_TARGET = "sidra_mvm"
 ENGINE_MATMUL_TARGET = "sidra_engine_matmul"
@@ -112,7 +114,9 @@ def _entry_points(lib) -> None:
             ("engine_norm", "sidra_engine_norm", [p, i64, i64, p, p, f32, i64, i64, p, p, p], ctypes.c_int),
             ("ispp_write", "sidra_ispp_write", [p, p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p], None),
             ("drift_exponents", "sidra_drift_exponents", [p, i64, u32, f32, f32, p], None),
-            ("stuck_map", "sidra_stuck_map", [p, i64, u32, f32, f32, p], None)):
+            ("stuck_map", "sidra_stuck_map", [p, i64, u32, f32, f32, p], None),
+            ("snapshot", "sidra_snapshot", [p, p, p, p, f32, f32, i64, i64, i64, i64, i64, f32, f32, p, p, p, p],
+             ctypes.c_int)):
         f = getattr(lib, symbol)
         f.argtypes, f.restype = args, result
         _LIB[key] = f
@@ -286,6 +290,29 @@ def stuck_map(ids, seed: int, off: float, on: float) -> np.ndarray:
     out = np.empty(ids.shape, np.int8)
     _direct("stuck_map")(ids.ctypes.data, ids.size, int(seed), np.float32(off), np.float32(off + on), out.ctypes.data)
     return out
+
+
+def snapshot(gp, gm, nu_p, nu_m, age_p: float, age_m: float, *, grid_k: int, grid_n: int, cols: int, k: int,
+             n: int, dg: float, var_c: float | None):
+    """`crossbar._read_array`'s packed read in the kernel's threads (the same bits), without IR drop or
+    drift compensation: the cells drifted by exp(-nu age) (nu None: no drift); packed (whole[,
+    fraction]) codes and their column corrections, packed variance levels and their step per tile
+    column (None without read noise: var_c None), and the terms packed."""
+    nv = -(-n // LANES)
+    groups = TILE_ROWS // 4
+    wp = dlpack.empty((grid_k, nv, 2, groups, LANES, 4), np.int8)
+    corr = dlpack.empty((grid_k, nv, 2, LANES), np.int32)
+    noise = var_c is not None
+    sp = dlpack.empty((grid_k, nv, groups, LANES, 4), np.uint8) if noise else None
+    step = dlpack.empty((grid_k, n), np.float32) if noise else None
+    cells = [None if a is None else np.ascontiguousarray(a, np.float32) for a in (gp, gm, nu_p, nu_m)]
+    terms = _direct("snapshot")(*(None if a is None else a.ctypes.data for a in cells), age_p, age_m, grid_k, grid_n,
+                                cols, k, n, dg, 0.0 if var_c is None else var_c, wp.ctypes.data, corr.ctypes.data,
+                                None if sp is None else sp.ctypes.data, None if step is None else step.ctypes.data)
+    if terms == 1:  # one term: the layouts' first half
+        wp = wp.reshape(-1)[:wp.size // 2].reshape(grid_k, nv, 1, groups, LANES, 4)
+        corr = corr.reshape(-1)[:corr.size // 2].reshape(grid_k, nv, 1, LANES)
+    return wp, corr, sp, step, terms
 
 
 def engine_matmul(a, b, *, qmax: float = 127.0):

@@ -1213,6 +1213,8 @@ ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buff
   return ffi::Error::Success();
 }
 
+constexpr int64_t kPackVectors = 8;  // column vectors a work item of PackTiles packs
+
 // 16 columns of 4 word lines of a (rows, ld) byte array: each row's bytes widened to 32-bit lanes
 // and shifted into place (one 64-byte store per group); rows past `live` and columns past the mask
 // load as zeros. Returns the columns' sums of the bytes read as int8.
@@ -1232,6 +1234,31 @@ __m512i pack_groups(const uint8_t* col, int64_t ld, int64_t live, __mmask16 m, u
 
 // The layouts above from per-tile arrays: w int8 (grid_k, 256, T N), s uint8 levels (grid_k, 256, N)
 // (empty without read noise). Word lines past K and columns past N are zeros; corr = 128 sum_k w.
+// The layouts above from per-tile bytes: src (grid_k, 256, ld) holding `terms` blocks of n columns
+// (whole codes [, fractions]) from its first column, vs (grid_k, 256, n) variance levels (null: none).
+void pack_tiles(const uint8_t* src, int64_t ld, const uint8_t* vs, int64_t gk, int64_t n, int64_t nv, int64_t k,
+                int64_t terms, uint8_t* dst, int32_t* c, uint8_t* vd) {
+  // A work item packs kPackVectors column vectors of one tile (each vector's output is its own)
+  const int64_t blocks = (nv + kPackVectors - 1) / kPackVectors;
+  auto work = std::make_shared<Work>();
+  work->items = gk * blocks;
+  work->item = [=](int64_t item) {
+    const int64_t tile = item / blocks, v0 = item % blocks * kPackVectors, v1 = std::min(nv, v0 + kPackVectors);
+    const int64_t live = std::clamp<int64_t>(k - tile * kTileRows, 0, kTileRows);
+    for (int64_t v = v0; v < v1; ++v) {
+      const __mmask16 m = column_mask(static_cast<int>(n - v * kLanes));
+      const int64_t at = tile * nv + v;
+      for (int64_t t = 0; t < terms; ++t) {
+        const __m512i sum = pack_groups(src + tile * kTileRows * ld + t * n + v * kLanes, ld, live, m,
+                                        dst + (at * terms + t) * kTileRows * kLanes);
+        _mm512_storeu_si512(c + (at * terms + t) * kLanes, _mm512_slli_epi32(sum, 7));  // 128 sum_k w
+      }
+      if (vs != nullptr) pack_groups(vs + tile * kTileRows * n + v * kLanes, n, live, m, vd + at * kTileRows * kLanes);
+    }
+  };
+  execute(work, gk * nv * (terms + (vs != nullptr)) * kTileRows * kLanes * 16);
+}
+
 ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::U8> s, int64_t k, int64_t terms, int64_t noise,
                      ffi::ResultBuffer<ffi::S8> wp, ffi::ResultBuffer<ffi::S32> corr,
                      ffi::ResultBuffer<ffi::U8> sp) {
@@ -1239,26 +1266,9 @@ ffi::Error PackTiles(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::U8> s, int64_t k, 
   const auto pd = wp->dimensions();
   if (wd.size() != 3 || wd[1] != kTileRows || pd.size() != 6 || pd[2] != terms)
     return ffi::Error::InvalidArgument("sidra_pack_tiles: unexpected operand layout");
-  const int64_t gk = wd[0], n = wd[2] / terms, nv = pd[1], ld = wd[2];
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(w.typed_data());
-  uint8_t* dst = reinterpret_cast<uint8_t*>(wp->typed_data());
-  int32_t* c = corr->typed_data();
-  const uint8_t* vs = s.typed_data();
-  uint8_t* vd = sp->typed_data();
-  for (int64_t tile = 0; tile < gk; ++tile) {
-    const int64_t live = std::clamp<int64_t>(k - tile * kTileRows, 0, kTileRows);
-    for (int64_t v = 0; v < nv; ++v) {
-      const __mmask16 m = column_mask(static_cast<int>(n - v * kLanes));
-      for (int64_t t = 0; t < terms; ++t, dst += kTileRows * kLanes, c += kLanes) {
-        const __m512i sum = pack_groups(src + tile * kTileRows * ld + t * n + v * kLanes, ld, live, m, dst);
-        _mm512_storeu_si512(c, _mm512_slli_epi32(sum, 7));  // 128 sum_k w
-      }
-      if (noise) {
-        pack_groups(vs + tile * kTileRows * n + v * kLanes, n, live, m, vd);
-        vd += kTileRows * kLanes;
-      }
-    }
-  }
+  pack_tiles(reinterpret_cast<const uint8_t*>(w.typed_data()), wd[2], noise ? s.typed_data() : nullptr, wd[0],
+             wd[2] / terms, pd[1], k, terms, reinterpret_cast<uint8_t*>(wp->typed_data()), corr->typed_data(),
+             sp->typed_data());
   return ffi::Error::Success();
 }
 
@@ -1522,6 +1532,117 @@ extern "C" void sidra_stuck_map(const uint32_t* ids, int64_t n, uint32_t seed, f
       out[i] = u < off ? -1 : u < off_on ? 1 : 0;
     }
   });
+}
+
+// crossbar._exp: e^x = 2^n e^r, x = n ln2 + r (ln2 in two parts), e^r by its Taylor polynomial.
+constexpr float kExpTaylor[] = {static_cast<float>(1.0 / 5040), static_cast<float>(1.0 / 720),
+                                static_cast<float>(1.0 / 120), static_cast<float>(1.0 / 24),
+                                static_cast<float>(1.0 / 6), 0.5f, 1.0f, 1.0f};
+
+inline float exp_poly(float x) {
+  const float n = std::min(std::max(std::floor(std::fma(x, 1.4426950408889634f, 0.5f)), -126.0f), 127.0f);
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = kExpTaylor[0];
+#pragma GCC unroll 8
+  for (int i = 1; i < 8; ++i) p = std::fma(p, r, kExpTaylor[i]);
+  return p * as_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
+
+constexpr uint32_t kDitherSeed = 0x5EED;  // crossbar._DITHER_SEED
+
+// crossbar._read_array for a packed read (crossbar.snapshot's native path) of a weight written at
+// once, without IR drop or drift compensation: each cell's G drifted as crossbar._drift_kernel
+// drifts it, G exp(-nu age) (nu null: no drift), the weights in code units (G+ - G-) / dg as
+// (whole, fraction in 1/254) int8 pairs, the read-noise variances var_c (G+^2 + G-^2) as dithered
+// levels 0..255 of a step per tile column (_variance_levels), packed as PackTiles packs them (one
+// term where no weight has a fraction). Operation for operation as XLA:CPU compiles those steps
+// (a division as a product with the divisor's inverse, contracted into a following sum), so both give the same
+// bits. gp, gm, nu: (gk 256, gn cols) float32; wp, corr sized for two terms; sp, step null
+// without read noise. Returns the terms packed.
+extern "C" int sidra_snapshot(const float* gp, const float* gm, const float* nu_p, const float* nu_m, float age_p,
+                              float age_m, int64_t gk, int64_t gn, int64_t cols, int64_t k, int64_t n, float dg,
+                              float var_c, int8_t* wp, int32_t* corr, uint8_t* sp, float* step) {
+  const int64_t ld = gn * cols, nv = (n + kLanes - 1) / kLanes;
+  const float inv_dg = 1.0f / dg;
+  std::vector<int8_t> pair(gk * kTileRows * 2 * n);
+  std::vector<uint8_t> levels(sp != nullptr ? gk * kTileRows * n : 0);
+  std::atomic<bool> fraction{false};
+  int8_t* pairs = pair.data();
+  uint8_t* level = levels.data();
+  std::atomic<bool>* any_fraction = &fraction;
+  auto work = std::make_shared<Work>();
+  work->items = gk * gn;
+  work->item = [=](int64_t item) {
+    const int64_t tk = item / gn, c0 = item % gn * cols, m = std::max<int64_t>(0, std::min(n, c0 + cols) - c0);
+    alignas(64) float x[kTileRows], y[kTileRows], d[kTileRows];
+    std::vector<float> var(sp != nullptr ? kTileRows * m : 0), top(m, 0.0f);
+    bool has_fraction = false;
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      const int64_t row = tk * kTileRows + r;
+      const float* __restrict a = gp + row * ld + c0;
+      const float* __restrict b = gm + row * ld + c0;
+      float* __restrict xp = x;
+      float* __restrict yp = y;
+      float* __restrict dp = d;
+      if (nu_p != nullptr) {
+        const float* __restrict np_ = nu_p + row * ld + c0;
+        const float* __restrict nm = nu_m + row * ld + c0;
+        for (int64_t c = 0; c < m; ++c) {
+          xp[c] = a[c] * exp_poly(-np_[c] * age_p);
+          yp[c] = b[c] * exp_poly(-nm[c] * age_m);
+        }
+      } else {
+        for (int64_t c = 0; c < m; ++c) xp[c] = a[c], yp[c] = b[c];
+      }
+      for (int64_t c = 0; c < m; ++c) dp[c] = xp[c] - yp[c];
+      alignas(64) float q[kTileRows], f[kTileRows];
+      float* __restrict qp = q;
+      float* __restrict fp = f;
+      float* __restrict v = var.data() + r * m;
+      float* __restrict t = top.data();
+      for (int64_t c = 0; c < m; ++c) {
+        const float w = dp[c] * inv_dg;
+        qp[c] = std::min(std::max(std::rint(w), -127.0f), 127.0f);
+        fp[c] = std::rint((w - qp[c]) * 254.0f);
+      }
+      if (sp != nullptr)
+        for (int64_t c = 0; c < m; ++c) {
+          v[c] = var_c * std::fma(xp[c], xp[c], yp[c] * yp[c]);
+          t[c] = std::max(t[c], v[c]);
+        }
+      int8_t* __restrict whole = pairs + row * 2 * n + c0;
+      int8_t* __restrict frac = whole + n;
+      int nonzero = 0;
+      for (int64_t c = 0; c < m; ++c) {
+        whole[c] = static_cast<int8_t>(qp[c]);
+        frac[c] = static_cast<int8_t>(fp[c]);
+        nonzero |= fp[c] != 0.0f;
+      }
+      has_fraction |= nonzero != 0;
+    }
+    if (has_fraction) any_fraction->store(true, std::memory_order_relaxed);
+    if (sp == nullptr) return;
+    for (int64_t c = c0; c < c0 + m; ++c) {  // the step of each tile column, then its cells' levels
+      const float s = top[c - c0] * (1.0f / 255.0f);
+      step[tk * n + c] = s > 0.0f ? s : 1.0f;
+    }
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      const uint32_t base = static_cast<uint32_t>((tk * kTileRows + r) * n);
+      uint8_t* __restrict out = level + (tk * kTileRows + r) * n;
+      const float* __restrict v = var.data() + r * m;
+      const float* __restrict st = step + tk * n;
+      for (int64_t c = c0; c < c0 + m; ++c) {
+        const float u = as_float((hash_bits(kDitherSeed, base + static_cast<uint32_t>(c)) >> 9) | 0x3F800000u) - 1.0f;
+        out[c] = static_cast<uint8_t>(std::min(std::floor(std::fma(v[c - c0], 1.0f / st[c], u)), 255.0f));
+      }
+    }
+  };
+  execute(work, gk * gn * cols * kTileRows * 64);
+  const int64_t terms = fraction.load() ? 2 : 1;
+  pack_tiles(reinterpret_cast<const uint8_t*>(pairs), 2 * n, sp != nullptr ? level : nullptr, gk, n, nv, k, terms,
+             reinterpret_cast<uint8_t*>(wp), corr, sp);
+  return static_cast<int>(terms);
 }
 
 // The MVM of Mvm called directly on host buffers (no XLA program: any row count, no compile).

@@ -67,6 +67,7 @@ def run(args) -> int:
                   f"host link {spec.memory.host_bw / 1e9:.0f} GB/s, programming pulse {c.pulse_s * 1e9:.0f} ns, "
                   f"background power {c.background_w:g} W while busy")
     console.print(f"Host: crossbar reads and engine INT8 matmuls by {host.dots()}; engine non-linearities and "
-                  f"norms by {host.engine_ops()}; ISPP write-verify by {host.programming()}; kernel cache "
+                  f"norms by {host.engine_ops()}; ISPP write-verify by {host.programming()}; packed snapshots "
+                  f"by {host.snapshots()}; kernel cache "
                   f"{jax.config.jax_compilation_cache_dir or 'off'} (SIDRA_JAX_CACHE)")
     return 0

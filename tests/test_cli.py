@@ -19,6 +19,7 @@ def test_sidra_info(capsys, restore_chip):
     assert f"engine INT8 matmuls by {host.dots()}" in flat(out)  # which kernels run here
     assert f"ISPP write-verify by {host.programming()}" in flat(out)
     assert f"norms by {host.engine_ops()}" in flat(out)
+    assert f"packed snapshots by {host.snapshots()}" in flat(out)
     assert cli.main(["info", "--chip", "y1"]) == 0
     assert "background power 2.9 W while busy" in flat(capsys.readouterr().out)
 

@@ -294,10 +294,12 @@ def test_dots_names_the_kernels_that_run_here(monkeypatch):
 
 @pytest.mark.parametrize("switch, native, describe, where, xla", [
     ("SIDRA_NATIVE_ISPP", "native_ispp", "programming", "cell by cell", "in chunks of pulses"),
-    ("SIDRA_NATIVE_ENGINE", "native_engine", "engine_ops", "any shape", "at row buckets")])
+    ("SIDRA_NATIVE_ENGINE", "native_engine", "engine_ops", "any shape", "at row buckets"),
+    ("SIDRA_NATIVE_SNAPSHOT", "native_snapshot", "snapshots", "any shape", "a program per weight shape")])
 def test_host_names_where_native_jobs_run(monkeypatch, switch, native, describe, where, xla):
-    """host.programming() and host.engine_ops() (sidra info, the benchmark headers) follow
-    host.native_ispp() and host.native_engine(): the library where it runs, unless switched off."""
+    """host.programming(), host.engine_ops() and host.snapshots() (sidra info, the benchmark headers)
+    follow host.native_ispp(), host.native_engine() and host.native_snapshot(): the library where it
+    runs, unless switched off."""
     from sidra_core import host, vnni
 
     monkeypatch.setattr(vnni, "available", lambda: True)

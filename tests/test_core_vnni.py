@@ -463,6 +463,54 @@ def test_the_kernel_builds_and_registers_where_the_cpu_has_the_instructions():
 
 
 @needs_vnni
+@pytest.mark.parametrize("preset,overrides,shape,t", [
+    ("y1", {}, (384, 1536), 30.0), ("y1", {}, (600, 300), 5e6), ("pcm", {}, (256, 100), 3600.0),
+    ("y1", {"noise__read_sigma": 0.0}, (300, 300), 1e3), ("int8", {}, (384, 384), 10.0),
+    ("y1", {"noise__stuck_on_rate": 0.01}, (520, 200), 86400.0)])
+def test_native_snapshot_is_xlas_to_the_bit(preset, overrides, shape, t, monkeypatch):
+    """A packed snapshot read natively holds the XLA program's bits: packed codes (one term where the
+    weights are whole codes, as on the int8 chip), column corrections, variance levels and steps."""
+    import sidra_core as sc
+    from sidra_core import crossbar, host
+
+    spec = sc.preset(preset, **overrides)
+    w = np.random.default_rng(len(shape) + shape[1]).normal(0, 0.05, shape).astype(np.float32)
+    state = crossbar.program(w, spec, seed=2, t_now=1.0)
+    assert host.native_snapshot()
+    native = crossbar.snapshot(state, t, spec)
+    monkeypatch.setenv("SIDRA_NATIVE_SNAPSHOT", "0")
+    xla = crossbar.snapshot(state, t, spec)
+    assert native.shape == xla.shape and native.shape.packed and native.gain is None and xla.gain is None
+    assert native.shape.terms == (1 if preset == "int8" else 2)
+    for field in ("w", "corr", "var", "var_scale"):
+        a, b = getattr(native, field), getattr(xla, field)
+        assert (a is None) == (b is None) == (field in ("var", "var_scale") and not spec.noise.read_sigma)
+        if a is not None:
+            a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
+
+
+@needs_vnni
+def test_native_snapshots_build_no_program_and_xla_takes_the_rest(monkeypatch):
+    """Packed snapshots of weights of any shape build no XLA program; IR drop and drift compensation
+    go to XLA's read (a program per weight shape)."""
+    import sidra_core as sc
+    from sidra_core import compiles, crossbar
+
+    rs = np.random.default_rng(0)
+    states = [(crossbar.program(rs.normal(0, 0.05, s).astype(np.float32), sc.preset("y1"), seed=1), s)
+              for s in ((700, 250), (333, 300), (260, 530))]
+    with compiles.record() as log:
+        for state, _ in states:
+            crossbar.snapshot(state, 100.0, sc.preset("y1"))
+    assert log.built == 0, log.programs
+    with compiles.record() as log:
+        for spec in (sc.preset("y1-ir"), sc.preset("y1", noise__drift_compensation=True)):
+            crossbar.snapshot(crossbar.program(rs.normal(0, 0.05, (321, 123)).astype(np.float32), spec), 9.0, spec)
+    assert log.programs["jit(_read_array)"] == 2
+
+
+@needs_vnni
 def test_a_fresh_build_exports_every_kernel(tmp_path):
     """What a clean machine does at the first snapshot: compile the source into the cache."""
     import ctypes
@@ -471,7 +519,7 @@ def test_a_fresh_build_exports_every_kernel(tmp_path):
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     assert lib.SidraTileDots and lib.SidraMvm and lib.SidraEngineMatmul and lib.SidraPackTiles
     assert lib.sidra_mvm_direct and lib.sidra_attention_direct and lib.sidra_ispp_write and lib.sidra_drift_exponents
-    assert lib.sidra_stuck_map
+    assert lib.sidra_stuck_map and lib.sidra_snapshot
     assert lib.SidraEngineMap and lib.SidraEngineNorm and lib.sidra_engine_map and lib.sidra_engine_norm
     assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
 

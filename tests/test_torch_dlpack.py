@@ -69,3 +69,26 @@ def test_a_numpy_array_is_shared_and_an_unaligned_first_one_decides_nothing(fres
     a = buf[off:off + 4096].reshape(64, 64)
     a[:] = np.arange(4096).reshape(64, 64)
     assert fresh.to_jax(a).unsafe_buffer_pointer() == a.ctypes.data and fresh._state["checked"]
+
+
+def test_aligned_returns_an_aligned_array_or_a_shared_one():
+    buf = np.arange(600, dtype=np.float32)
+    start = -buf.ctypes.data % 64 // 4 + 1  # one float past a 64-byte boundary
+    off = buf[start:start + 512].reshape(16, 32)
+    assert off.ctypes.data % 64
+    a = dlpack.aligned(off)
+    assert a.ctypes.data % dlpack.ALIGNMENT == 0 and a.flags.writeable and a.dtype == off.dtype
+    np.testing.assert_array_equal(a, off)
+    assert dlpack.aligned(a) is a
+
+
+def test_a_programmed_weights_cells_reach_xla_without_a_copy():
+    """Every snapshot hands a weight's conductances and drift exponents to XLA: they are shared."""
+    import sidra_core as sc
+    from sidra_core import buckets, crossbar
+
+    w = np.random.default_rng(0).normal(0, 0.05, (300, 70)).astype(np.float32)
+    state = crossbar.program(w, sc.preset("y1"), seed=1)
+    for name in ("g_plus", "g_minus", "nu_plus", "nu_minus"):
+        a = getattr(state, name)
+        assert buckets.put(a).unsafe_buffer_pointer() == a.ctypes.data, name
