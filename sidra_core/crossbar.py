@@ -499,13 +499,14 @@ def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
 
 def _log_ages(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
     """ln(1 + (t - t_prog) / t0) of each plane's cells, the drift exponent's factor: one value for a
-    weight written at once. Computed in float64 on the host and rounded to float32, so that every
-    backend drifts a cell by the same factor."""
-    t0 = spec.noise.drift_t0
+    weight written at once. The age is taken between float32 times, as the cells keep theirs (so a
+    read an hour after programming drifts alike at any device time), its logarithm on the host in
+    float64, rounded to float32: every backend drifts a cell by the same factor."""
+    t0, now = spec.noise.drift_t0, np.float32(t_now)
     if state.written_at_once:
-        age = np.float32(math.log1p(max(t_now - state.t_latest, 0.0) / t0))
+        age = np.float32(math.log1p(max(float(now - np.float32(state.t_latest)), 0.0) / t0))
         return age, age
-    return tuple(np.log1p(np.maximum(t_now - t.astype(np.float64), 0.0) / t0).astype(np.float32)
+    return tuple(np.log1p(np.maximum(now - t, 0).astype(np.float64) / t0).astype(np.float32)
                  for t in (state.t_prog_plus, state.t_prog_minus))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -502,6 +503,16 @@ def test_snapshot_reads_the_drifted_conductances(reprogrammed):
     expected = ((gp - gm) / dg)[:, :200].reshape(2, 256, 200)
     np.testing.assert_allclose(np.asarray(crossbar.snapshot(st, t, Y1).weights()), expected, atol=2 / 254)
     assert not np.allclose(gp, st.g_plus)  # drift moved the cells
+
+
+def test_drift_exp_is_within_an_ulp():
+    """The drift factor's polynomial e^x (crossbar._exp, which the native snapshot repeats): within
+    one float32 ulp of e^x over drift's range and beyond, exactly 1 at 0."""
+    x = np.linspace(-30, 10, 400001, dtype=np.float32)
+    got = np.asarray(jax.jit(crossbar._exp)(x))
+    exact = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(got - exact) / np.spacing(exact.astype(np.float32))) <= 1.0
+    assert float(jax.jit(crossbar._exp)(np.float32(0.0))) == 1.0
 
 
 def test_drift_off_means_no_change():
