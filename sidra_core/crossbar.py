@@ -348,11 +348,9 @@ def _pair_targets(codes, target_w, state: ProgrammedWeight, spec: ChipSpec):
     return tp, tm
 
 
-def _merge(old: np.ndarray, new, hit: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
+def _merge(old: np.ndarray, new, hit: np.ndarray, sel: np.ndarray) -> np.ndarray:
     """`old` with the written cells replaced by `new` (a value per cell of the selection, or a
-    scalar); `hit` marks the written cells among the selection `sel` (flat indices; None: all)."""
-    if sel is None:
-        return np.where(hit.reshape(old.shape), np.reshape(new, old.shape) if np.ndim(new) else new, old).astype(old.dtype, copy=False)
+    scalar); `hit` marks the written cells among the selection `sel` (flat indices)."""
     out = old.copy()
     out.ravel()[sel[hit]] = new[hit] if np.ndim(new) else new
     return out
@@ -385,16 +383,23 @@ def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=Non
         hit = pulses > 0
         # Written cells hold their new G and restart drift with a fresh exponent (a stuck cell
         # does not drift); the others keep their programmed G, exponent and programming time.
-        writes = getattr(state, f"writes_{name}")
-        writes = writes + pulses.reshape(writes.shape) if sel is None else _merge(writes, writes.ravel()[sel] + pulses, hit, sel)
-        nu = _merge(getattr(state, f"nu_{name}"), _nu(pick(ids), i, rng.seed32(seed, 0xD21F7), spec), hit, sel)
-        nu[stuck != 0] = 0.0
-        # Fresh programming: program_cells already returns every cell's G (the unwritten ones unchanged).
-        g = g_new.reshape(g_old.shape) if sel is None and start is None else _merge(g_old, g_new, hit, sel)
+        nu_new = _nu(pick(ids), i, rng.seed32(seed, 0xD21F7), spec)
+        t_prog = getattr(state, f"t_prog_{name}")
+        if sel is None:  # fresh programming (program()): every cell, none written before, all at t_now
+            shape = g_old.shape
+            writes, g = pulses.reshape(shape), g_new.reshape(shape)
+            nu = nu_new.reshape(shape) if nu_new.flags.writeable else nu_new.reshape(shape).copy()
+            np.multiply(nu, hit.reshape(shape) & (stuck == 0), out=nu)
+        else:
+            writes = getattr(state, f"writes_{name}")
+            writes = _merge(writes, writes.ravel()[sel] + pulses, hit, sel)
+            nu = _merge(getattr(state, f"nu_{name}"), nu_new, hit, sel)
+            nu[stuck != 0] = 0.0
+            g = _merge(g_old, g_new, hit, sel)
+            t_prog = _merge(t_prog, np.float32(t_now), hit, sel)
         # the cells a snapshot reads, where XLA shares them rather than copying them on every read
         g, nu = dlpack.aligned(g), dlpack.aligned(nu)
-        fields = {f"g_{name}": g, f"nu_{name}": nu, f"writes_{name}": writes,
-                  f"t_prog_{name}": _merge(getattr(state, f"t_prog_{name}"), np.float32(t_now), hit, sel)}
+        fields = {f"g_{name}": g, f"nu_{name}": nu, f"writes_{name}": writes, f"t_prog_{name}": t_prog}
         return fields, ProgrammingReport(
             cells_written=int(np.count_nonzero(hit)), pulses=int(pulses.sum(dtype=np.int64)),
             max_pulses_cell=int(pulses.max(initial=0)), max_writes_cell=int(writes.max(initial=0)),

@@ -268,7 +268,7 @@ def ispp_write(g0, g1, stuck, ids, seed: int, relax_seed: int, params: tuple) ->
     stuck = None if stuck is None else _flat(stuck, np.bool_)
     tol_u, read_sigma, step0, ramp, c2c, max_pulses, g_min_u, relax, g_min, span = params
     floats = np.array([tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span], np.float32)
-    g, pulses = np.empty(g0.size, np.float32), np.empty(g0.size, np.int32)
+    g, pulses = dlpack.empty(g0.size, np.float32), np.empty(g0.size, np.int32)
     _direct("ispp_write")(g0.ctypes.data, g1.ctypes.data, None if stuck is None else stuck.ctypes.data,
                           ids.ctypes.data, g0.size, int(seed), int(relax_seed), floats.ctypes.data, int(max_pulses),
                           g.ctypes.data, pulses.ctypes.data)
@@ -278,7 +278,7 @@ def ispp_write(g0, g1, stuck, ids, seed: int, relax_seed: int, params: tuple) ->
 def drift_exponents(ids, seed: int, mean: float, std: float) -> np.ndarray:
     """`crossbar._draw_nu` in the kernel's threads (the same bits): max(mean + std z, 0) per cell id."""
     ids = np.ascontiguousarray(ids, np.uint32)
-    nu = np.empty(ids.shape, np.float32)
+    nu = dlpack.empty(ids.shape, np.float32)
     _direct("drift_exponents")(ids.ctypes.data, ids.size, int(seed), mean, std, nu.ctypes.data)
     return nu
 
