@@ -7,8 +7,9 @@ call computes every tile's INT8 partial sums and exact read-noise variances (`ti
 the MVM's (`mvm`) is the whole read: the DAC, those dots, the noise draw, the ADC, the tile sum
 and the dequantisation in one pass, drawing the noise as `sidra_core.rng.box_muller` does;
 `mvm_direct` is that read called straight on host buffers (eager reads: no XLA program at any row
-count), and `ispp_write` is ISPP write-verify cell by cell (the same bits as
-sidra_core.ispp's XLA chunks). It is compiled once per source and jaxlib version into the user's
+count), `ispp_write` is ISPP write-verify cell by cell (the same bits as sidra_core.ispp's XLA
+chunks), and `snapshot` reads a programmed weight into the packed tiles (the same bits as
+sidra_core.crossbar's XLA read). It is compiled once per source and jaxlib version into the user's
 cache (a C++ compiler is needed; without one, or on a CPU without AVX-512 VNNI and BF16,
 `available()` is false and XLA's dots and ISPP are used).
 """

@@ -16,7 +16,8 @@
 // sums fused, 3.8 -> 3.0 with the DAC and dequantisation as well, which XLA did in three passes).
 // sidra_mvm_direct is the same MVM called on host buffers outside XLA (eager reads: any row count,
 // no program). sidra_ispp_write is ISPP write-verify (sidra_core.ispp) with sidra_core.rng's draws,
-// cell by cell; sidra_drift_exponents and sidra_stuck_map draw the programmed cells' properties.
+// cell by cell; sidra_drift_exponents and sidra_stuck_map draw the programmed cells' properties;
+// sidra_snapshot reads a programmed weight into the packed layout below (crossbar._read_array).
 //
 // Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 uint8 (rows, 2, Kp): hi then lo, Kp = grid_k * 256
 // (the dots' inputs; sidra_mvm makes them from x float32 (rows, K));
