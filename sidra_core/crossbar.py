@@ -495,7 +495,12 @@ def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
     """Conductances at device time `t_now`: G(t) = G_prog ((t - t_prog + t0)/t0)^-nu."""
     if not spec.drifts:
         return state.g_plus, state.g_minus
-    age_p, age_m = _log_ages(state, t_now, spec)
+    return _drift(state, _log_ages(state, t_now, spec))
+
+
+def _drift(state: ProgrammedWeight, ages):
+    """Each plane's cells drifted by their log ages (_log_ages), block by block."""
+    age_p, age_m = ages
     arrays = [state.g_plus, state.g_minus, state.nu_plus, state.nu_minus]
     if np.ndim(age_p) == 0:  # written at once: one age
         return tuple(map_blocks(lambda *a: _drift_kernel(*a, age_p, age_m), arrays, [0] * 4))
@@ -575,7 +580,8 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
             and host.native_snapshot()):
         w, corr, var, var_scale, gain, terms = _read_native(state, ages, read)
     else:  # the drifted cells first, in a program of their own (as drifted() gives them), then the read
-        args = (*(buckets.put(g) for g in drifted(state, t_now, spec)), state.ref_norm)
+        cells = (state.g_plus, state.g_minus) if ages is None else _drift(state, ages)
+        args = (*(buckets.put(g) for g in cells), state.ref_norm)
         w, corr, var, var_scale, gain, has_fraction = _read_array(*args, read)
         terms = 0 if not codes else 2 if bool(has_fraction) else 1
         if read.packed and terms == 1:

@@ -1334,6 +1334,10 @@ inline float erfinv(float x) {  // rng._erfinv
 
 constexpr float kRoot2 = 1.4142135623730951f;
 
+inline float uniform(uint32_t seed, uint32_t counter) {  // rng.uniform: [0, 1) with 23 random bits
+  return as_float((hash_bits(seed, counter) >> 9) | 0x3F800000u) - 1.0f;
+}
+
 inline float open_uniform(uint32_t seed, uint32_t counter) {  // rng.normal's uniform on (-1, 1)
   return (static_cast<float>(hash_bits(seed, counter) >> 9) + 0.5f) * (2.0f / (1 << 23)) - 1.0f;
 }
@@ -1529,7 +1533,7 @@ extern "C" void sidra_stuck_map(const uint32_t* ids, int64_t n, uint32_t seed, f
     const uint32_t* __restrict cid = ids;
     int8_t* __restrict out = stuck;
     for (int64_t i = lo; i < hi; ++i) {
-      const float u = as_float((hash_bits(seed, cid[i]) >> 9) | 0x3F800000u) - 1.0f;
+      const float u = uniform(seed, cid[i]);
       out[i] = u < off ? -1 : u < off_on ? 1 : 0;
     }
   });
@@ -1634,7 +1638,7 @@ extern "C" int sidra_snapshot(const float* gp, const float* gm, const float* nu_
       const float* __restrict v = var.data() + r * m;
       const float* __restrict st = step + tk * n;
       for (int64_t c = c0; c < c0 + m; ++c) {
-        const float u = as_float((hash_bits(kDitherSeed, base + static_cast<uint32_t>(c)) >> 9) | 0x3F800000u) - 1.0f;
+        const float u = uniform(kDitherSeed, base + static_cast<uint32_t>(c));
         out[c] = static_cast<uint8_t>(std::min(std::floor(std::fma(v[c - c0], 1.0f / st[c], u)), 255.0f));
       }
     }
