@@ -69,9 +69,14 @@ class ProgrammedWeight:
     writes_plus: np.ndarray  # int32 (Kp, Np)
     writes_minus: np.ndarray
     adc_full_scale: np.ndarray  # float32 (grid_k, Np): per tile-column range in code units
-    ref_norm: np.ndarray  # float32 (grid_k, grid_n): reference read of each tile right after programming
     tile_ids: tuple[int, ...]  # physical tile of each grid tile, row-major over (grid_k, grid_n)
     programming: "ProgrammingReport"
+
+    @functools.cached_property
+    def ref_norm(self) -> np.ndarray:
+        """float32 (grid_k, grid_n): the reference read of each tile right after programming (of the
+        stored, undrifted conductances), which drift compensation compares a later read with."""
+        return np.asarray(_tile_norms(self.g_plus, self.g_minus, self.grid))
 
     @property
     def first_tile(self) -> int:
@@ -158,8 +163,6 @@ def _stuck(ids: np.ndarray, plane: int, spec: ChipSpec) -> np.ndarray:
         return np.zeros(ids.shape, np.int8)
     seed = np.uint32(rng.seed32(spec.seed, 0x57AC, plane))
     rates = (n.stuck_off_rate, n.stuck_on_rate)
-    if host.native_ispp():
-        return vnni.stuck_map(ids, seed, *rates)
     return map_blocks(lambda i: _stuck_map(i, seed, rates), [ids], [0])[0].astype(np.int8)
 
 
@@ -186,8 +189,11 @@ def _adc_full_scale(codes: np.ndarray, target_w, grid: TileGrid, spec: ChipSpec)
     shrink like their square root, so its fraction grows by sqrt(rows / used)
     to keep the same headroom over typical sums (capped at the largest sum).
     """
-    w = np.abs(target_w) if target_w is not None else np.abs(codes.astype(np.float32))
-    largest = w.reshape(grid.grid_k, grid.rows, grid.n_padded).sum(axis=1)
+    if target_w is not None:
+        largest = np.abs(target_w).reshape(grid.grid_k, grid.rows, grid.n_padded).sum(axis=1)
+    else:  # |codes| <= 127: exact integer sums
+        largest = np.abs(codes).reshape(grid.grid_k, grid.rows, grid.n_padded).sum(axis=1, dtype=np.int32)
+        largest = largest.astype(np.float32)
     largest *= 2 ** (spec.dac.bits - 1) - 1 if spec.dac.enabled else 1.0
     used = np.minimum(grid.k - np.arange(grid.grid_k) * grid.rows, grid.rows)
     fraction = np.minimum(spec.adc.full_scale * np.sqrt(grid.rows / used), 1.0)[:, None]
@@ -251,6 +257,8 @@ def program(
     tile_ids = tuple(int(t) for t in tile_ids)
     if len(tile_ids) != grid.tiles:
         raise ValueError(f"a {grid.k}x{grid.n} weight needs {grid.tiles} tiles, got {len(tile_ids)} tile ids")
+    if target_w is None and host.native_ispp():
+        return _program_native(grid, codes, scale, tile_ids, spec, seed=seed, t_now=t_now)
     ids = _cell_ids(grid, tile_ids)
     g_min = 0.0 if target_w is not None else spec.tile.g_min
     start = np.full(codes.shape, g_min, np.float32)
@@ -263,7 +271,6 @@ def program(
         t_prog_plus=np.full(codes.shape, t_now, np.float32), t_prog_minus=np.full(codes.shape, t_now, np.float32),
         writes_plus=np.zeros(codes.shape, np.int32), writes_minus=np.zeros(codes.shape, np.int32),
         adc_full_scale=np.ones((grid.grid_k, grid.n_padded), np.float32),
-        ref_norm=np.ones((grid.grid_k, grid.grid_n), np.float32),
         tile_ids=tile_ids,
         programming=ProgrammingReport(0, 0, 0, 0, 0),
     )
@@ -275,6 +282,34 @@ def program(
         g[s < 0] = t.g_min
         g[s > 0] = t.g_max
     return _write(state, codes, target_w, spec, seed=seed, t_now=t_now, ids=ids, changed=None)
+
+
+def _program_native(grid: TileGrid, codes: np.ndarray, scale: np.ndarray, tile_ids: tuple[int, ...],
+                    spec: ChipSpec, *, seed: int, t_now: float) -> ProgrammedWeight:
+    """program()'s write of INT8 codes in one native pass over the cells (vnni.program): the same
+    stuck map, targets, write-verify and drift exponents as its XLA path, to the bit."""
+    t, n, i = spec.tile, spec.noise, spec.ispp
+    seeds = [rng.seed32(spec.seed, 0x57AC, plane) for plane in (0, 1)]  # _stuck's
+    ispp_seeds = [rng.seed32(seed, 0xCE11, plane) for plane in (0, 1)]  # _write's, then program_cells'
+    seeds += [rng.seed32(s, 0x15BB) for s in ispp_seeds] + [rng.seed32(s, 0x4E1A) for s in ispp_seeds]
+    seeds += [rng.seed32(rng.seed32(seed, 0xD21F7), 0xD21F7, plane) for plane in (0, 1)]  # _nu's
+    span = t.g_max - t.g_min
+    params = (n.stuck_off_rate, n.stuck_off_rate + n.stuck_on_rate, (t.g_max - t.g_min) / QMAX, t.g_min, t.g_max,
+              n.drift_nu_mean, n.drift_nu_std,
+              i.tolerance * t.g_max / span, n.read_sigma, i.step0, i.ramp, i.c2c_sigma, t.g_min / span,
+              n.prog_relax_sigma, t.g_min, span)
+    (gp, gm), (nu_p, nu_m), (sp, sm), (wp, wm), stats = vnni.program(
+        codes, tile_ids, rows=grid.rows, cols=grid.cols, grid_n=grid.grid_n, seeds=seeds, params=params,
+        max_pulses=i.max_pulses, endurance=i.endurance, ispp=i.enabled, drifts=spec.drifts)
+    most = int(stats[:, :, 2].max(initial=0))
+    written, pulses, worn = (int(stats[:, :, j].sum()) for j in (0, 1, 3))
+    times = np.full(codes.shape, t_now, np.float32)
+    return ProgrammedWeight(
+        grid=grid, codes=codes, target_w=None, scale=scale, g_plus=gp, g_minus=gm, nu_plus=nu_p, nu_minus=nu_m,
+        stuck_plus=sp, stuck_minus=sm, t_prog_plus=times, t_prog_minus=times.copy(), writes_plus=wp, writes_minus=wm,
+        adc_full_scale=_adc_full_scale(codes, None, grid, spec), tile_ids=tile_ids,
+        programming=ProgrammingReport(written, pulses, most, most, worn),
+    )
 
 
 def reprogram(
@@ -412,7 +447,6 @@ def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=Non
     return dataclasses.replace(
         state, codes=codes, target_w=target_w, **new,
         adc_full_scale=_adc_full_scale(codes, target_w, grid, spec),
-        ref_norm=np.asarray(_tile_norms(new["g_plus"], new["g_minus"], grid)),
         programming=report,
     )
 
@@ -581,7 +615,7 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
         w, corr, var, var_scale, gain, terms = _read_native(state, ages, read)
     else:  # the drifted cells first, in a program of their own (as drifted() gives them), then the read
         cells = (state.g_plus, state.g_minus) if ages is None else _drift(state, ages)
-        args = (*(buckets.put(g) for g in cells), state.ref_norm)
+        args = (*(buckets.put(g) for g in cells), state.ref_norm if read.compensate else None)
         w, corr, var, var_scale, gain, has_fraction = _read_array(*args, read)
         terms = 0 if not codes else 2 if bool(has_fraction) else 1
         if read.packed and terms == 1:

@@ -8,8 +8,9 @@ the MVM's (`mvm`) is the whole read: the DAC, those dots, the noise draw, the AD
 and the dequantisation in one pass, drawing the noise as `sidra_core.rng.box_muller` does;
 `mvm_direct` is that read called straight on host buffers (eager reads: no XLA program at any row
 count), `ispp_write` is ISPP write-verify cell by cell (the same bits as sidra_core.ispp's XLA
-chunks), and `snapshot` reads a programmed weight into the packed tiles (the same bits as
-sidra_core.crossbar's XLA read). It is compiled once per source and jaxlib version into the user's
+chunks), `program` a fresh weight's whole write (sidra_core.crossbar.program's bits), and
+`snapshot` reads a programmed weight into the packed tiles (the same bits as sidra_core.crossbar's
+XLA read). It is compiled once per source and jaxlib version into the user's
 cache (a C++ compiler is needed; without one, or on a CPU without AVX-512 VNNI and BF16,
 `available()` is false and XLA's dots and ISPP are used).
 """
@@ -51,6 +52,7 @@ _CPU_FEATURES = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
 
 TILE_ROWS = 256
 LANES = 16
+_ISPP_CELLS = 4096  # cells of one of the kernel's programming work items (kIsppCells)
 
 
 def _library_path() -> Path:
@@ -115,7 +117,8 @@ def _entry_points(lib) -> None:
             ("engine_norm", "sidra_engine_norm", [p, i64, i64, p, p, f32, i64, i64, p, p, p], ctypes.c_int),
             ("ispp_write", "sidra_ispp_write", [p, p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p], None),
             ("drift_exponents", "sidra_drift_exponents", [p, i64, u32, f32, f32, p], None),
-            ("stuck_map", "sidra_stuck_map", [p, i64, u32, f32, f32, p], None),
+            ("program", "sidra_program", [p, i64, i64, i64, i64, p, i64, p, p, ctypes.c_int32, f32,
+                                          ctypes.c_int32, ctypes.c_int32, p, p, p, p, p, p, p, p, p], None),
             ("snapshot", "sidra_snapshot", [p, p, p, p, f32, f32, i64, i64, i64, i64, i64, f32, f32, p, p, p, p],
              ctypes.c_int)):
         f = getattr(lib, symbol)
@@ -284,13 +287,26 @@ def drift_exponents(ids, seed: int, mean: float, std: float) -> np.ndarray:
     return nu
 
 
-def stuck_map(ids, seed: int, off: float, on: float) -> np.ndarray:
-    """`crossbar._stuck_map` in the kernel's threads (the same bits): -1 / +1 for cells stuck at
-    G_min / G_max, else 0."""
-    ids = np.ascontiguousarray(ids, np.uint32)
-    out = np.empty(ids.shape, np.int8)
-    _direct("stuck_map")(ids.ctypes.data, ids.size, int(seed), np.float32(off), np.float32(off + on), out.ctypes.data)
-    return out
+def program(codes: np.ndarray, tile_ids, *, rows: int, cols: int, grid_n: int, seeds, params, max_pulses: int,
+            endurance: float, ispp: bool, drifts: bool):
+    """`crossbar.program`'s fresh write of INT8 codes (padded to the tile grid) in the kernel's threads
+    (the same bits as its XLA path): per plane (plus, minus) the conductances, drift exponents, stuck
+    map and pulses given, and the work items' statistics (items, plane, (cells written, pulses, most
+    pulses of a cell, cells past the endurance limit)). `seeds` (8) and `params` (16) as sidra_program's."""
+    codes = np.ascontiguousarray(codes, np.int8)
+    kp, np_ = codes.shape
+    tiles = np.ascontiguousarray(tile_ids, np.uint32)
+    seeds = np.asarray(seeds, np.uint32)
+    params = np.asarray(params, np.float32)
+    g = [dlpack.empty(codes.shape, np.float32) for _ in range(2)]
+    nu = [dlpack.empty(codes.shape, np.float32) for _ in range(2)]
+    stuck = [np.empty(codes.shape, np.int8) for _ in range(2)]
+    writes = [np.empty(codes.shape, np.int32) for _ in range(2)]
+    stats = np.empty((-(-codes.size // _ISPP_CELLS), 2, 4), np.int64)
+    _direct("program")(codes.ctypes.data, kp, np_, rows, cols, tiles.ctypes.data, grid_n, seeds.ctypes.data,
+                       params.ctypes.data, int(max_pulses), float(endurance), int(ispp), int(drifts),
+                       *(a.ctypes.data for a in (*g, *nu, *stuck, *writes)), stats.ctypes.data)
+    return g, nu, stuck, writes, stats
 
 
 def snapshot(gp, gm, nu_p, nu_m, age_p: float, age_m: float, *, grid_k: int, grid_n: int, cols: int, k: int,

@@ -16,7 +16,8 @@
 // sums fused, 3.8 -> 3.0 with the DAC and dequantisation as well, which XLA did in three passes).
 // sidra_mvm_direct is the same MVM called on host buffers outside XLA (eager reads: any row count,
 // no program). sidra_ispp_write is ISPP write-verify (sidra_core.ispp) with sidra_core.rng's draws,
-// cell by cell; sidra_drift_exponents and sidra_stuck_map draw the programmed cells' properties;
+// cell by cell; sidra_program writes a fresh weight's cells whole (stuck map, targets, ISPP, drift
+// exponents) and sidra_drift_exponents draws rewritten cells' exponents;
 // sidra_snapshot reads a programmed weight into the packed layout below (crossbar._read_array).
 //
 // Layouts (vnni.py packs them): xu uint8 (rows, Kp), x2 uint8 (rows, 2, Kp): hi then lo, Kp = grid_k * 256
@@ -1373,17 +1374,18 @@ inline __m512 erfinv(__m512 x) {  // rng._erfinv; its tail polynomial only where
   return _mm512_mul_ps(p, x);
 }
 
-// Cells [0, m) written towards their targets: their final G (siemens) and pulses given, as
-// ispp._pulse_chunk's steps repeated until each cell is done, then its relaxation. A vector's 16
-// lanes step 16 cells at once; a lane whose cell is done takes the next one (an expanding load).
-void write_verify(const float* u0, const float* target0, const uint32_t* ids, int32_t m, uint32_t seed,
-                  const float* relax_z, const IsppParams& a, float* g, int32_t* pulses) {
+// Cells [0, m) written towards their targets: their pulses given, and their final G (siemens) where
+// they got a pulse, stored at their index `to` in g and pulses, as ispp._pulse_chunk's steps
+// repeated until each cell is done, then its relaxation. A vector's 16 lanes step 16 cells at once;
+// a lane whose cell is done takes the next one (an expanding load).
+void write_verify(const float* u0, const float* target0, const uint32_t* ids, const int32_t* to, int32_t m,
+                  uint32_t seed, const float* relax_z, const IsppParams& a, float* g, int32_t* pulses) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
   const __m512 fzero = _mm512_setzero_ps(), fone = _mm512_set1_ps(1.0f);
   const __m512 scale = _mm512_set1_ps(2.0f / (1 << 16)), root2 = _mm512_set1_ps(kRoot2);
   __m512 u = fzero, target = fzero;
-  __m512i id = zero, cell = zero, n = zero, ramp_n = zero, last_dir = zero;
+  __m512i id = zero, cell = zero, dest = zero, n = zero, ramp_n = zero, last_dir = zero;
   __mmask16 idle = 0xFFFF;
   int32_t next = 0;
   for (;;) {
@@ -1398,6 +1400,7 @@ void write_verify(const float* u0, const float* target0, const uint32_t* ids, in
       u = _mm512_mask_expandloadu_ps(u, fill, u0 + next);
       target = _mm512_mask_expandloadu_ps(target, fill, target0 + next);
       id = _mm512_mask_expandloadu_epi32(id, fill, ids + next);
+      dest = _mm512_mask_expandloadu_epi32(dest, fill, to + next);
       n = _mm512_mask_mov_epi32(n, fill, zero);
       ramp_n = _mm512_mask_mov_epi32(ramp_n, fill, zero);
       last_dir = _mm512_mask_mov_epi32(last_dir, fill, zero);
@@ -1440,11 +1443,56 @@ void write_verify(const float* u0, const float* target0, const uint32_t* ids, in
         settled = _mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(
             _mm512_mul_ps(_mm512_add_ps(u, _mm512_set1_ps(a.g_min_u)), _mm512_set1_ps(a.relax)), z, u), fzero), fone);
       }
-      _mm512_mask_i32scatter_ps(g, done, cell, _mm512_fmadd_ps(settled, _mm512_set1_ps(a.span), _mm512_set1_ps(a.g_min)), 4);
-      _mm512_mask_i32scatter_epi32(pulses, done, cell, n, 4);
+      // (a cell that passes before its first pulse keeps its G exactly)
+      const __mmask16 moved_cell = _mm512_mask_cmpgt_epi32_mask(done, n, zero);
+      _mm512_mask_i32scatter_ps(g, moved_cell, dest,
+                                _mm512_fmadd_ps(settled, _mm512_set1_ps(a.span), _mm512_set1_ps(a.g_min)), 4);
+      _mm512_mask_i32scatter_epi32(pulses, done, dest, n, 4);
       idle |= done;
     }
   }
+}
+
+// ispp.program_cells on cells [0, n) (at most kIsppCells): each cell's final G and pulses given.
+// Every cell gets a verify read first; one that passes keeps its G with no pulse, a stuck one that
+// fails is pulsed max_pulses times without moving (a controller gives up only then), the others are
+// written to their end (write_verify), gathered into one run so its lanes stay full.
+void ispp_cells(const float* g0, const float* g1, const uint8_t* stuck, const uint32_t* ids, int64_t n,
+                uint32_t seed, uint32_t relax_seed, const IsppParams& a, float* g, int32_t* pulses) {
+  alignas(64) float u[kIsppCells], target[kIsppCells], relax_z[kIsppCells];
+  alignas(64) uint32_t id[kIsppCells];
+  alignas(64) int32_t cell[kIsppCells];
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i verify_seed = _mm512_set1_epi32(static_cast<int>(mix32s(seed)));
+  const __m512 g_min = _mm512_set1_ps(a.g_min), span = _mm512_set1_ps(a.span), fone = _mm512_set1_ps(1.0f);
+  int32_t m = 0;  // the cells to write, gathered
+  for (int64_t i = 0; i < n; i += kLanes) {  // the first verify read, 16 cells at a time
+    const __mmask16 valid = n - i >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 from = _mm512_maskz_loadu_ps(valid, g0 + i), to = _mm512_maskz_loadu_ps(valid, g1 + i);
+    const __m512i cid = _mm512_maskz_loadu_epi32(valid, ids + i);
+    const __m512 ui = _mm512_div_ps(_mm512_sub_ps(from, g_min), span);
+    const __m512 ti = _mm512_div_ps(_mm512_sub_ps(to, g_min), span);
+    const __m512 z = _mm512_mul_ps(_mm512_set1_ps(kRoot2), erfinv(_mm512_sub_ps(_mm512_mul_ps(
+        _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(hash_bits(verify_seed, cid), 9)), _mm512_set1_ps(0.5f)),
+        _mm512_set1_ps(2.0f / (1 << 23))), fone)));
+    const __m512 g_read = _mm512_fmadd_ps(
+        _mm512_mul_ps(_mm512_add_ps(ui, _mm512_set1_ps(a.g_min_u)), _mm512_set1_ps(a.read_sigma)), z, ui);
+    const __mmask16 failed = _mm512_mask_cmp_ps_mask(valid, _mm512_abs_ps(_mm512_sub_ps(ti, g_read)),
+                                                     _mm512_set1_ps(a.tol_u), _CMP_GT_OQ);
+    const __mmask16 held = stuck == nullptr ? 0 : _mm512_mask_test_epi32_mask(
+        failed, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, stuck + i)), _mm512_set1_epi32(0xFF));
+    const __mmask16 write = static_cast<__mmask16>(failed & ~held);
+    _mm512_mask_storeu_ps(g + i, valid, from);  // unless written below
+    _mm512_mask_storeu_epi32(pulses + i, valid, _mm512_maskz_mov_epi32(held, _mm512_set1_epi32(a.max_pulses)));
+    _mm512_mask_compressstoreu_epi32(cell + m, write, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i))));
+    _mm512_mask_compressstoreu_ps(u + m, write, ui);
+    _mm512_mask_compressstoreu_ps(target + m, write, ti);
+    _mm512_mask_compressstoreu_epi32(id + m, write, cid);
+    m += __builtin_popcount(write);
+  }
+  if (a.relax != 0)  // each cell's relaxation draw, keyed by its id alone: all at once
+    for (int32_t j = 0; j < m; ++j) relax_z[j] = normal(relax_seed, id[j]);
+  write_verify(u, target, id, cell, m, seed, relax_z, a, g, pulses);
 }
 
 // body(lo, hi) over cells [0, n) in work items of kIsppCells, `cost` MACs' worth a cell.
@@ -1462,53 +1510,123 @@ void for_cells(int64_t n, int64_t cost, Body body) {
 }  // namespace
 
 // ispp.program_cells: cells from g0 towards g1 (siemens, flat), each cell's final G and pulses
-// given. Every cell gets a verify read first; one that passes keeps its G with no pulse, a stuck
-// one that fails is pulsed max_pulses times without moving (a controller gives up only then), the
-// others are written to their end (write_verify), a work item's failing cells gathered into one
-// run so its lanes stay full. params: tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span.
+// given (ispp_cells). params: tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span.
 extern "C" void sidra_ispp_write(const float* g0, const float* g1, const uint8_t* stuck, const uint32_t* ids,
                                  int64_t n, uint32_t seed, uint32_t relax_seed, const float* params,
                                  int32_t max_pulses, float* g, int32_t* pulses) {
   const IsppParams a{params[0], params[1], params[2], params[3], params[4], max_pulses,
                      params[5], params[6], params[7], params[8]};
-  const uint32_t verify_seed = mix32s(seed);
   for_cells(n, 512, [=](int64_t lo, int64_t hi) {
-    alignas(64) float u[kIsppCells], target[kIsppCells], relax_z[kIsppCells], g_end[kIsppCells];
+    ispp_cells(g0 + lo, g1 + lo, stuck == nullptr ? nullptr : stuck + lo, ids + lo, hi - lo, seed, relax_seed, a,
+               g + lo, pulses + lo);
+  });
+}
+
+// crossbar.program of INT8 codes (kp x np, padded to the tile grid) onto fresh tiles, both planes of
+// a work item's cells at once: each cell's physical id (its tile from tile_ids, row-major over the
+// grid_k x grid_n tiles of rows x cols), the planes' stuck maps (crossbar._stuck_map), the targets
+// g_min + max(+-code, 0) dG with a stuck cell's partner set to keep the pair's difference
+// (crossbar._pair_targets), write-verify from G_min (a stuck cell from its rail; ISPP off: the
+// target written at once, one pulse where it differs), and the drift exponents of the cells written
+// and not stuck (crossbar._nu). seeds: stuck, ISPP and relaxation, drift, each for (plus, minus).
+// params: stuck off, off + on rate, dG, g_min, g_max, nu mean, nu std, then sidra_ispp_write's.
+// stats per work item and plane: cells written, pulses, the most pulses of a cell, cells past the
+// endurance limit.
+extern "C" void sidra_program(const int8_t* codes, int64_t kp, int64_t np_, int64_t rows, int64_t cols,
+                              const uint32_t* tile_ids, int64_t grid_n, const uint32_t* seeds, const float* params,
+                              int32_t max_pulses, float endurance, int32_t ispp, int32_t drifts, float* g_plus,
+                              float* g_minus, float* nu_plus, float* nu_minus, int8_t* stuck_plus,
+                              int8_t* stuck_minus, int32_t* writes_plus, int32_t* writes_minus, int64_t* stats) {
+  const float off = params[0], off_on = params[1], dg = params[2], g_min = params[3], g_max = params[4];
+  const float nu_mean = params[5], nu_k = params[6] * kRoot2;
+  const IsppParams a{params[7], params[8], params[9], params[10], params[11], max_pulses,
+                     params[12], params[13], params[14], params[15]};
+  float* const g_out[2] = {g_plus, g_minus};
+  float* const nu_out[2] = {nu_plus, nu_minus};
+  int8_t* const stuck_out[2] = {stuck_plus, stuck_minus};
+  int32_t* const writes_out[2] = {writes_plus, writes_minus};
+  const uint32_t tile_cells = static_cast<uint32_t>(rows * cols);
+  for_cells(kp * np_, 512, [=](int64_t lo, int64_t hi) {
+    const int64_t n = hi - lo;
+    alignas(64) float start[2][kIsppCells], target[2][kIsppCells];
     alignas(64) uint32_t id[kIsppCells];
-    alignas(64) int32_t given[kIsppCells], cell[kIsppCells];
-    alignas(64) uint8_t failed[kIsppCells];
-    {  // the first verify read (locals, not the closure's fields: the loop vectorises)
-      const float* __restrict from = g0;
-      const float* __restrict to = g1;
-      const uint32_t* __restrict cid = ids;
-      for (int64_t i = lo; i < hi; ++i) {
-        const float ui = (from[i] - a.g_min) / a.span, ti = (to[i] - a.g_min) / a.span;
-        const float g_read = std::fma((ui + a.g_min_u) * a.read_sigma, normal(verify_seed, cid[i]), ui);
-        failed[i - lo] = std::fabs(ti - g_read) > a.tol_u;
+    alignas(64) uint8_t stuck[2][kIsppCells];
+    alignas(64) int8_t state[2][kIsppCells];
+    for (int64_t i = lo, r = lo / np_, c = lo % np_; i < hi;) {  // ids, a run of one tile's row at a time
+      const int64_t run = std::min({hi - i, np_ - c, cols - c % cols});
+      const uint32_t first = tile_ids[(r / rows) * grid_n + c / cols] * tile_cells +
+                             static_cast<uint32_t>((r % rows) * cols + c % cols);
+      for (int64_t j = 0; j < run; ++j) id[i - lo + j] = first + static_cast<uint32_t>(j);
+      i += run;
+      c += run;
+      if (c == np_) c = 0, ++r;
+    }
+    for (int p = 0; p < 2; ++p) {  // stuck cells, and where each cell starts: G_min or its rail
+      int8_t* __restrict s = state[p];
+      uint8_t* __restrict is_stuck = stuck[p];
+      float* __restrict g0 = start[p];
+      const uint32_t seed = seeds[p];
+      for (int64_t i = 0; i < n; ++i) {  // off <= off_on: -1 below off, +1 from off to off_on
+        const float v = uniform(seed, id[i]);
+        const int below_off = v < off, below_on = v < off_on;
+        s[i] = static_cast<int8_t>(below_on - 2 * below_off);
+        is_stuck[i] = static_cast<uint8_t>(below_on);
+        g0[i] = below_on > below_off ? g_max : g_min;
+      }
+      std::memcpy(stuck_out[p] + lo, s, n);
+    }
+    {  // targets; a cell stuck alone: its partner holds the pair's difference against the stuck rail
+      const int8_t* __restrict code = codes + lo;
+      const uint8_t* __restrict stuck_p = stuck[0];
+      const uint8_t* __restrict stuck_m = stuck[1];
+      const float* __restrict start_p = start[0];
+      const float* __restrict start_m = start[1];
+      float* __restrict tp = target[0];
+      float* __restrict tm = target[1];
+      for (int64_t i = 0; i < n; ++i) {
+        const float c = static_cast<float>(code[i]);
+        const float p = std::max(c, 0.0f) * dg + g_min, m = std::max(-c, 0.0f) * dg + g_min, diff = p - m;
+        const int sp = stuck_p[i], sm = stuck_m[i];  // 0 or 1
+        const float held_p = std::min(std::max(start_m[i] + diff, g_min), g_max);
+        const float held_m = std::min(std::max(start_p[i] - diff, g_min), g_max);
+        tp[i] = sm > sp ? held_p : p;
+        tm[i] = sp > sm ? held_m : m;
       }
     }
-    int64_t m = 0;  // the cells to write, gathered
-    for (int64_t i = lo; i < hi; ++i) {
-      g[i] = g0[i];
-      pulses[i] = 0;
-      if (!failed[i - lo]) continue;
-      if (stuck != nullptr && stuck[i]) {
-        pulses[i] = a.max_pulses;
-        continue;
+    int64_t* item_stats = stats + (lo / kIsppCells) * 8;
+    for (int p = 0; p < 2; ++p) {
+      float* __restrict g = g_out[p] + lo;
+      int32_t* __restrict writes = writes_out[p] + lo;
+      if (ispp) {
+        ispp_cells(start[p], target[p], stuck[p], id, n, seeds[2 + p], seeds[4 + p], a, g, writes);
+      } else {
+        for (int64_t i = 0; i < n; ++i) {
+          g[i] = stuck[p][i] ? start[p][i] : target[p][i];
+          writes[i] = start[p][i] != target[p][i];
+        }
       }
-      cell[m] = static_cast<int32_t>(i - lo);
-      u[m] = (g0[i] - a.g_min) / a.span;
-      target[m] = (g1[i] - a.g_min) / a.span;
-      id[m] = ids[i];
-      ++m;
-    }
-    if (a.relax != 0)  // each cell's relaxation draw, keyed by its id alone: all at once
-      for (int64_t j = 0; j < m; ++j) relax_z[j] = normal(relax_seed, id[j]);
-    write_verify(u, target, id, static_cast<int32_t>(m), seed, relax_z, a, g_end, given);
-    for (int64_t j = 0; j < m; ++j) {  // a cell that passes before its first pulse keeps its G exactly
-      const int64_t i = lo + cell[j];
-      pulses[i] = given[j];
-      if (given[j] > 0) g[i] = g_end[j];
+      float* __restrict nu = nu_out[p] + lo;
+      if (drifts) {  // a fresh exponent for each cell written and not stuck
+        const uint32_t seed = seeds[6 + p];
+        for (int64_t i = 0; i < n; ++i) {
+          const float z = std::max(std::fma(nu_k, erfinv(open_uniform(seed, id[i])), nu_mean), 0.0f);
+          nu[i] = writes[i] > 0 && !stuck[p][i] ? z : 0.0f;
+        }
+      } else {
+        std::memset(nu, 0, n * sizeof(float));
+      }
+      int64_t written = 0, pulses = 0, worn = 0;
+      int32_t most = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        written += writes[i] > 0;
+        pulses += writes[i];
+        most = std::max(most, writes[i]);
+        worn += writes[i] > endurance;
+      }
+      item_stats[p * 4 + 0] = written;
+      item_stats[p * 4 + 1] = pulses;
+      item_stats[p * 4 + 2] = most;
+      item_stats[p * 4 + 3] = worn;
     }
   });
 }
@@ -1522,20 +1640,6 @@ extern "C" void sidra_drift_exponents(const uint32_t* ids, int64_t n, uint32_t s
     const uint32_t* __restrict cid = ids;
     float* __restrict out = nu;
     for (int64_t i = lo; i < hi; ++i) out[i] = std::max(std::fma(k, erfinv(open_uniform(seed, cid[i])), mean), 0.0f);
-  });
-}
-
-// crossbar._stuck_map: -1 (stuck at G_min) where rng.uniform(seed, id) < off, +1 (at G_max) where
-// it is below off_on (off + on, rounded to float32), else 0.
-extern "C" void sidra_stuck_map(const uint32_t* ids, int64_t n, uint32_t seed, float off, float off_on,
-                                int8_t* stuck) {
-  for_cells(n, 16, [=](int64_t lo, int64_t hi) {
-    const uint32_t* __restrict cid = ids;
-    int8_t* __restrict out = stuck;
-    for (int64_t i = lo; i < hi; ++i) {
-      const float u = uniform(seed, cid[i]);
-      out[i] = u < off ? -1 : u < off_on ? 1 : 0;
-    }
   });
 }
 

@@ -37,14 +37,14 @@ def test_profiler_tables_report_the_programs_built():
     import sidra_jax
     import sidra_torch
 
-    lin = torch.nn.Linear(37, 29).to("sidra:0")  # shapes no other test uses
+    conv = torch.nn.Conv1d(3, 7, 5).to("sidra:0")  # shapes no other test uses (a convolution is an XLA program)
     with torch.no_grad(), sidra_torch.use_chip("int8"):
         with sidra_torch.profiler.profile() as prof:
-            lin(torch.randn(3, 37).to("sidra:0"))
+            conv(torch.randn(2, 3, 37).to("sidra:0"))
         assert prof.compiles.built > 0
         assert "Programs built: " in prof.key_averages().table()
         with sidra_torch.profiler.profile() as prof:
-            lin(torch.randn(3, 37).to("sidra:0"))
+            conv(torch.randn(2, 3, 37).to("sidra:0"))
         assert prof.compiles.built == 0
     chip = sidra_core.Chip.create("int8", seed=0)
     params = sidra_jax.program({"w": np.ones((31, 23), np.float32)}, chip)

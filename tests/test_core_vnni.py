@@ -300,8 +300,10 @@ def test_native_ispp_is_xlas_to_the_bit(preset, overrides, monkeypatch):
 
 
 @needs_vnni
-@pytest.mark.parametrize("preset,overrides", [("y1", {"noise__stuck_off_rate": 0.01, "noise__stuck_on_rate": 0.005}),
-                                              ("pcm", {})])
+@pytest.mark.parametrize("preset,overrides", [
+    ("y1", {"noise__stuck_off_rate": 0.01, "noise__stuck_on_rate": 0.005, "ispp__endurance": 6}),
+    ("y1", {"noise__stuck_off_rate": 0.01, "ispp__enabled": False}),
+    ("pcm", {})])
 def test_native_programming_is_xlas_to_the_bit(preset, overrides, monkeypatch):
     """A whole weight programmed natively (write-verify, stuck map, drift exponents) holds XLA's
     state to the bit: every plane's conductances, stuck cells, exponents and write counts."""
@@ -314,6 +316,9 @@ def test_native_programming_is_xlas_to_the_bit(preset, overrides, monkeypatch):
     monkeypatch.setenv("SIDRA_NATIVE_ISPP", "0")
     xla = crossbar.program(w, spec, seed=4, t_now=2.0, tile_ids=(5, 9, 11, 2))
     assert native.programming == xla.programming and native.programming.pulses > 0
+    assert (native.programming.endurance_exceeded > 0) == (spec.ispp.endurance < spec.ispp.max_pulses)
+    np.testing.assert_array_equal(native.adc_full_scale, xla.adc_full_scale)
+    np.testing.assert_array_equal(native.ref_norm, xla.ref_norm)
     for plane in ("plus", "minus"):
         for field in ("g", "stuck", "nu", "writes", "t_prog"):
             np.testing.assert_array_equal(getattr(native, f"{field}_{plane}"), getattr(xla, f"{field}_{plane}"))
@@ -519,7 +524,7 @@ def test_a_fresh_build_exports_every_kernel(tmp_path):
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     assert lib.SidraTileDots and lib.SidraMvm and lib.SidraEngineMatmul and lib.SidraPackTiles
     assert lib.sidra_mvm_direct and lib.sidra_attention_direct and lib.sidra_ispp_write and lib.sidra_drift_exponents
-    assert lib.sidra_stuck_map and lib.sidra_snapshot
+    assert lib.sidra_program and lib.sidra_snapshot
     assert lib.SidraEngineMap and lib.SidraEngineNorm and lib.sidra_engine_map and lib.sidra_engine_norm
     assert not list(tmp_path.glob("tmp*"))  # the temporary build folder is gone
 
