@@ -85,13 +85,13 @@ class ProgrammedWeight:
     @functools.cached_property
     def t_latest(self) -> float:
         """The device time of the most recent write (the youngest cells drift fastest)."""
-        return float(max(self.t_prog_plus.max(), self.t_prog_minus.max()))
+        return float(max(_times(self.t_prog_plus).max(), _times(self.t_prog_minus).max()))
 
     @functools.cached_property
     def written_at_once(self) -> bool:
         """Every cell was last written at the same device time (no incremental reprogramming since)."""
         t = self.t_latest
-        return bool((self.t_prog_plus == t).all() and (self.t_prog_minus == t).all())
+        return bool((_times(self.t_prog_plus) == t).all() and (_times(self.t_prog_minus) == t).all())
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -102,6 +102,18 @@ class ProgrammedWeight:
         return sum(
             a.nbytes for a in dataclasses.astuple(self) if isinstance(a, np.ndarray)
         )
+
+
+def _written_now(shape: tuple[int, int], t_now: float) -> np.ndarray:
+    """The programming times of a plane written at once: one time for every cell, as a read-only
+    broadcast view (a later partial write copies it)."""
+    return np.broadcast_to(np.float32(t_now), shape)
+
+
+def _times(t: np.ndarray) -> np.ndarray:
+    """A plane's programming times, once each where the plane holds one time for every cell (a fresh
+    weight's: a read-only broadcast view)."""
+    return t[:1, :1] if not any(t.strides) else t
 
 
 @dataclass(frozen=True)
@@ -239,10 +251,10 @@ def program(
         w = np.asarray(w, np.float32)
         if w.ndim != 2:
             raise ValueError(f"a crossbar weight is 2-D (K x N), got shape {w.shape}")
-        if not np.all(np.isfinite(w)):
-            raise ValueError("weight contains NaN or Inf; it cannot be programmed into a crossbar")
         if spec.quantised:
-            quantised = quantise_weight(w, spec)
+            quantised = quantise_weight(w, spec)  # (which rejects NaN and Inf)
+        elif not np.all(np.isfinite(w)):
+            raise ValueError("weight contains NaN or Inf; it cannot be programmed into a crossbar")
     grid = tile_grid(*(quantised.codes.shape if quantised is not None else w.shape), spec)
     if quantised is not None:
         codes = _pad(quantised.codes, grid)
@@ -268,7 +280,7 @@ def program(
         nu_plus=np.zeros(codes.shape, np.float32), nu_minus=np.zeros(codes.shape, np.float32),
         stuck_plus=_stuck(ids, 0, spec) if target_w is None else np.zeros(codes.shape, np.int8),
         stuck_minus=_stuck(ids, 1, spec) if target_w is None else np.zeros(codes.shape, np.int8),
-        t_prog_plus=np.full(codes.shape, t_now, np.float32), t_prog_minus=np.full(codes.shape, t_now, np.float32),
+        t_prog_plus=_written_now(codes.shape, t_now), t_prog_minus=_written_now(codes.shape, t_now),
         writes_plus=np.zeros(codes.shape, np.int32), writes_minus=np.zeros(codes.shape, np.int32),
         adc_full_scale=np.ones((grid.grid_k, grid.n_padded), np.float32),
         tile_ids=tile_ids,
@@ -303,10 +315,10 @@ def _program_native(grid: TileGrid, codes: np.ndarray, scale: np.ndarray, tile_i
         max_pulses=i.max_pulses, endurance=i.endurance, ispp=i.enabled, drifts=spec.drifts)
     most = int(stats[:, :, 2].max(initial=0))
     written, pulses, worn = (int(stats[:, :, j].sum()) for j in (0, 1, 3))
-    times = np.full(codes.shape, t_now, np.float32)
+    times = _written_now(codes.shape, t_now)
     return ProgrammedWeight(
         grid=grid, codes=codes, target_w=None, scale=scale, g_plus=gp, g_minus=gm, nu_plus=nu_p, nu_minus=nu_m,
-        stuck_plus=sp, stuck_minus=sm, t_prog_plus=times, t_prog_minus=times.copy(), writes_plus=wp, writes_minus=wm,
+        stuck_plus=sp, stuck_minus=sm, t_prog_plus=times, t_prog_minus=times, writes_plus=wp, writes_minus=wm,
         adc_full_scale=_adc_full_scale(codes, None, grid, spec), tile_ids=tile_ids,
         programming=ProgrammingReport(written, pulses, most, most, worn),
     )

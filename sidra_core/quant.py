@@ -32,16 +32,22 @@ def quantise_weight(w, spec: ChipSpec) -> QuantisedWeight:
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise ValueError(f"a crossbar weight is 2-D (K x N), got shape {w.shape}")
-    if not np.all(np.isfinite(w)):
-        raise ValueError("weight contains NaN or Inf; it cannot be programmed into a crossbar")
     a = np.abs(w)
     per_channel = spec.quant.granularity == "per_channel"
     p = spec.quant.clip_percentile
     axis = 0 if per_channel else None
-    ref = a.max(axis=axis) if p >= 100.0 else np.percentile(a, p, axis=axis)
+    ref = a.max(axis=axis) if p >= 100.0 else None
+    # (a NaN or an infinity makes its column's largest |w| NaN or infinite)
+    if not np.all(np.isfinite(a if ref is None else ref)):
+        raise ValueError("weight contains NaN or Inf; it cannot be programmed into a crossbar")
+    if ref is None:
+        ref = np.percentile(a, p, axis=axis)
     ref = np.broadcast_to(np.asarray(ref, np.float32), (w.shape[1],))
     scale = np.where(ref > 0, ref / QMAX, 1.0).astype(np.float32)
-    codes = np.clip(np.rint(w / scale[None, :]), -QMAX, QMAX).astype(np.int8)
+    q = np.divide(w, scale[None, :], out=a)  # in |w|'s buffer, in w's memory order
+    np.rint(q, out=q)
+    np.clip(q, -QMAX, QMAX, out=q)
+    codes = q.astype(np.int8)
     return QuantisedWeight(codes=codes, scale=scale)
 
 

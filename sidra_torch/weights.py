@@ -189,11 +189,12 @@ def _version(base) -> tuple:
 
 
 def matrix(view, transpose: bool) -> np.ndarray:
-    """The K x N matrix a weight view presents to the crossbar, as float32 on the host."""
+    """The K x N matrix a weight view presents to the crossbar, as float32 on the host (a strided
+    view of the weight where it can be: programming reads it once, into INT8 codes)."""
     m = view._inner.detach()
     if transpose:
         m = m.t()
-    return m.to(torch.float32).contiguous().numpy()
+    return m.to(torch.float32).numpy()
 
 
 def resident(chip, view, transpose: bool = False, matrix_fn=matrix):
