@@ -496,6 +496,14 @@ class Snapshot:
     corr: jax.Array | None = None
     var_scale: jax.Array | None = None  # the step of `var`'s integer levels per tile column, if any
 
+    @functools.cached_property
+    def kernel_weights(self) -> tuple:
+        """A packed snapshot's operands as the native read takes them (vnni.mvm_weights), taken once:
+        each read passes their addresses (the snapshot keeps the arrays)."""
+        noise = self.var is not None
+        return vnni.mvm_weights(self.w[0], self.corr, self.var[0] if noise else None,
+                                self.var_scale if noise else None, self.lsb, self.gain, self.scale)
+
     def variances(self) -> jax.Array:
         """The read-noise variances in code units as float32, (grid_k, rows, N)."""
         if self.shape.packed:
@@ -938,10 +946,8 @@ def mvm_direct(snap: Snapshot, x: np.ndarray, seed: int, bias=None, *, dac_bits:
     s = snap.shape
     check_read(snap, x.shape[-1], seed, dac_bits)
     b = None if bias is None else np.ascontiguousarray(np.broadcast_to(np.asarray(bias, np.float32), (s.n,)))
-    noise = snap.var is not None
-    return vnni.mvm_direct(np.ascontiguousarray(x, np.float32), snap.w[0], snap.corr, snap.var[0] if noise else None,
-                           snap.var_scale if noise else None, snap.lsb, snap.gain, snap.scale, b, seed,
-                           k=s.k, n=s.n, qmax=float(2 ** (adc_bits - 1) - 1), dac_qmax=float(2 ** (dac_bits - 1) - 1))
+    return vnni.mvm_direct(np.ascontiguousarray(x, np.float32), snap.kernel_weights, b, seed, k=s.k, n=s.n,
+                           qmax=float(2 ** (adc_bits - 1) - 1), dac_qmax=float(2 ** (dac_bits - 1) - 1))
 
 
 def mvm_kwargs(spec: ChipSpec) -> dict:

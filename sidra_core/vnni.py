@@ -245,17 +245,25 @@ def _address(a) -> int | None:
     return a.ctypes.data if isinstance(a, np.ndarray) else a.block_until_ready().unsafe_buffer_pointer()
 
 
-def mvm_direct(x: np.ndarray, wp, corr, sp, step, lsb, gain, scale, bias, seed: int, *, k: int, n: int,
-               qmax: float, dac_qmax: float) -> np.ndarray:
+def mvm_weights(wp, corr, sp, step, lsb, gain, scale) -> tuple:
+    """A packed weight's operands of `mvm_direct` (jax or NumPy arrays, see `mvm`) as the kernel takes
+    them: their addresses and the layout (grid_k, NV, terms). The arrays must outlive its reads."""
+    return (_address(wp), _address(corr), _address(sp), _address(step), *wp.shape[:3], _address(lsb), _address(gain),
+            _address(scale))
+
+
+def mvm_direct(x: np.ndarray, weights: tuple, bias, seed: int, *, k: int, n: int, qmax: float,
+               dac_qmax: float) -> np.ndarray:
     """`mvm` on a host array x (rows, K) float32, C-contiguous, called straight into the kernel: no
     XLA program, so any row count runs without a compile or padding (the same bits: each row's
-    noise draws are keyed by its row index alone). The weights are the snapshot's jax arrays."""
+    noise draws are keyed by its row index alone). `weights` is `mvm_weights`'s; bias a NumPy array
+    (N,) or None."""
     call = _direct("mvm")
     rows = x.shape[0]
     y = np.empty((rows, n), np.float32)
-    gk, nv, terms = wp.shape[0], wp.shape[1], wp.shape[2]
-    if call(x.ctypes.data, rows, _address(wp), _address(corr), _address(sp), _address(step), gk, nv, k, n, terms,
-            _address(lsb), _address(gain), _address(scale), _address(bias), int(seed), qmax, dac_qmax, y.ctypes.data):
+    wp, corr, sp, step, gk, nv, terms, lsb, gain, scale = weights
+    if call(x.ctypes.data, rows, wp, corr, sp, step, gk, nv, k, n, terms, lsb, gain, scale, _address(bias), int(seed),
+            qmax, dac_qmax, y.ctypes.data):
         raise ValueError("sidra_mvm_direct: unexpected operand layout")
     return y
 

@@ -252,9 +252,8 @@ def test_a_direct_read_is_the_custom_calls_to_the_bit(rows, k, n, noise, adc, te
     for b in (None, bias):
         want = _read(w, var, x, k, n, terms, seed=9, noise=noise, lsb=lsb, gain=gain, scale=scale, bias=b)
         wp, corr, sp, st = _pack(w, var, k, terms, noise)
-        got = vnni.mvm_direct(x, wp, corr, sp, st, None if lsb is None else jnp.asarray(lsb),
-                              None if gain is None else jnp.asarray(gain), jnp.asarray(scale), b, 9,
-                              k=k, n=n, qmax=127.0, dac_qmax=127.0)
+        held = (None if lsb is None else jnp.asarray(lsb), None if gain is None else jnp.asarray(gain), jnp.asarray(scale))
+        got = vnni.mvm_direct(x, vnni.mvm_weights(wp, corr, sp, st, *held), b, 9, k=k, n=n, qmax=127.0, dac_qmax=127.0)
         assert got.shape == (rows, n) and got.dtype == np.float32
         np.testing.assert_array_equal(got, want)
 
@@ -265,8 +264,9 @@ def test_a_direct_read_in_another_layout_is_refused():
     wp, corr, sp, st = _pack(w, var, 300, 1)
     x = _inputs(2, 300, seed=1)
     with pytest.raises(ValueError, match="unexpected operand layout"):  # N past the packed vectors
-        vnni.mvm_direct(x, wp, corr, sp, st, None, None, jnp.ones(64, jnp.float32), None, 1, k=300, n=64,
-                        qmax=127.0, dac_qmax=127.0)
+        scale = jnp.ones(64, jnp.float32)
+        vnni.mvm_direct(x, vnni.mvm_weights(wp, corr, sp, st, None, None, scale), None, 1, k=300, n=64, qmax=127.0,
+                        dac_qmax=127.0)
 
 
 @needs_vnni
