@@ -12,6 +12,8 @@ path for good.
 
 from __future__ import annotations
 
+import mmap
+
 import jax
 import numpy as np
 
@@ -81,11 +83,28 @@ def empty(shape, dtype) -> np.ndarray:
     return buf[start:start + nbytes].view(dtype).reshape(shape)
 
 
+# NumPy asks the kernel for transparent huge pages for its arrays from this size on (madvise)
+_HUGE_PAGES_FROM = 1 << 22
+
+
+def mapped(shape, dtype) -> np.ndarray:
+    """An uninitialised ALIGNMENT-aligned array (`empty`) for the arrays a weight's programming
+    writes once and keeps; from 4 MiB in memory pages of its own (an anonymous map, unmapped with the
+    array). NumPy asks for transparent huge pages for such arrays, and where the kernel compacts
+    memory to find them on the first touch (THP defrag "madvise", a common default), faulting in a
+    model's programmed state stalls for seconds; these are plain pages."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < _HUGE_PAGES_FROM:
+        return empty(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+
+
 def aligned(a: np.ndarray) -> np.ndarray:
     """`a`, or a copy of it at an ALIGNMENT-byte boundary where it is not at one: for arrays that
     every read hands to XLA (a weight's cells), so that `to_jax` shares them instead of copying."""
     if a.ctypes.data % ALIGNMENT == 0 and a.flags.c_contiguous and a.flags.writeable:
         return a
-    out = empty(a.shape, a.dtype)
+    out = mapped(a.shape, a.dtype)
     out[...] = a
     return out

@@ -306,10 +306,9 @@ def program(codes: np.ndarray, tile_ids, *, rows: int, cols: int, grid_n: int, s
     tiles = np.ascontiguousarray(tile_ids, np.uint32)
     seeds = np.asarray(seeds, np.uint32)
     params = np.asarray(params, np.float32)
-    g = [dlpack.empty(codes.shape, np.float32) for _ in range(2)]
-    nu = [dlpack.empty(codes.shape, np.float32) for _ in range(2)]
-    stuck = [np.empty(codes.shape, np.int8) for _ in range(2)]
-    writes = [np.empty(codes.shape, np.int32) for _ in range(2)]
+    g, nu = ([dlpack.mapped(codes.shape, np.float32) for _ in range(2)] for _ in range(2))
+    stuck = [dlpack.mapped(codes.shape, np.int8) for _ in range(2)]
+    writes = [dlpack.mapped(codes.shape, np.int32) for _ in range(2)]
     stats = np.empty((-(-codes.size // _ISPP_CELLS), 2, 4), np.int64)
     _direct("program")(codes.ctypes.data, kp, np_, rows, cols, tiles.ctypes.data, grid_n, seeds.ctypes.data,
                        params.ctypes.data, int(max_pulses), float(endurance), int(ispp), int(drifts),

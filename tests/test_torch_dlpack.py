@@ -82,6 +82,27 @@ def test_aligned_returns_an_aligned_array_or_a_shared_one():
     assert dlpack.aligned(a) is a
 
 
+@pytest.mark.parametrize("shape,own_pages", [((1024, 1024), True), ((300, 70), False), ((0, 5), False)])
+def test_mapped_arrays_from_4_mib_have_pages_of_their_own(shape, own_pages):
+    """A programmed state's large arrays live in an anonymous map (plain pages, not NumPy's huge-page
+    heap); smaller ones are `empty`'s. Both are aligned, writeable and shared with XLA."""
+    import mmap
+
+    from sidra_core import buckets
+
+    a = dlpack.mapped(shape, np.float32)
+    assert a.shape == shape and a.dtype == np.float32 and a.flags.writeable and a.flags.c_contiguous
+    owner = a
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    assert isinstance(getattr(owner, "obj", owner), mmap.mmap) == own_pages
+    if a.size:
+        assert a.ctypes.data % dlpack.ALIGNMENT == 0
+        a[...] = 2.5
+        assert buckets.put(a).unsafe_buffer_pointer() == a.ctypes.data
+        np.testing.assert_array_equal(np.asarray(buckets.put(a)), a)
+
+
 def test_a_programmed_weights_cells_reach_xla_without_a_copy():
     """Every snapshot hands a weight's conductances and drift exponents to XLA: they are shared."""
     import sidra_core as sc
