@@ -33,6 +33,7 @@ from floors import mvm_floor, plain_jax  # noqa: E402
 from timing import best_of_rounds  # noqa: E402
 
 import sidra_torch  # noqa: E402
+from sidra_core import host  # noqa: E402
 
 
 def _model(name: str):
@@ -80,6 +81,7 @@ def bench(name: str, chip: str, batch: int, seq: int, repeat: int, rounds: int) 
 
 
 def main(argv=None) -> int:
+    host.tune()  # the simulator's process settings, before any JAX computation
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chip", default="y1")
     ap.add_argument("--batch", type=int, default=1)

@@ -19,6 +19,7 @@ import numpy as np
 from timing import best_of_rounds, host_kind
 
 import sidra_core as sc
+from sidra_core import host
 
 
 def bench_mvm(repeat: int, rounds: int) -> list[dict]:
@@ -80,6 +81,7 @@ def bench_ispp() -> dict:
 
 
 def main(argv=None) -> int:
+    host.tune()  # the simulator's process settings, before any JAX computation
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mvm", action="store_true", help="only the analog linear benchmark")
     ap.add_argument("--ispp", action="store_true", help="only the ISPP programming benchmark")

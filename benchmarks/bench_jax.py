@@ -29,6 +29,7 @@ from floors import mvm_program
 from timing import best_of_rounds, host_kind
 
 import sidra_core
+from sidra_core import host
 import sidra_jax as sj
 import sidra_jax.nn as snn
 
@@ -110,6 +111,7 @@ def bench(name, fn, params, x, repeat: int, rounds: int = 3) -> dict:
 
 
 def main(argv=None) -> int:
+    host.tune()  # the simulator's process settings, before any JAX computation
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke test)")

@@ -127,6 +127,9 @@ def _run_child(workload: str, device: str, passes: int, cache: str) -> dict:
 
 
 def main() -> None:
+    from sidra_core import host
+
+    host.tune()  # the simulator's process settings (a child's too), before any JAX computation
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=3, metavar=("WORKLOAD", "DEVICE", "PASSES"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -24,6 +24,7 @@ from floors import mvm_floor, plain_jax  # noqa: E402
 from timing import best_of_rounds, host_kind, median_time  # noqa: E402
 
 import sidra_torch  # noqa: E402
+from sidra_core import host  # noqa: E402
 
 
 def minilm_inputs(batch: int, seq: int):
@@ -83,6 +84,7 @@ def bench_dispatch(n: int = 20000) -> dict:
 
 
 def main(argv=None) -> int:
+    host.tune()  # the simulator's process settings, before any JAX computation
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)

@@ -7,15 +7,10 @@ translate framework operations into calls of these kernels.
 import jax as _jax
 import jaxlib as _jaxlib
 
-from . import host as _host
 from . import versions as _versions
 
 _versions.check("jax", _jax.__version__)
 _versions.check("jaxlib", _jaxlib.__version__)
-
-_host.use_compilation_cache()
-_host.keep_freed_memory()
-_host.run_inline()
 
 from . import cost, engine, rng  # noqa: E402
 from .clock import Counters, DeviceClock  # noqa: E402

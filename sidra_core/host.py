@@ -168,14 +168,32 @@ def jit(fn=None, **jit_kwargs):
     return call
 
 
-def use_compilation_cache() -> None:
+def tune() -> dict[str, bool]:
+    """Set this process up for the simulator: compiled kernels persist across processes
+    (use_compilation_cache), glibc's malloc keeps freed memory (keep_freed_memory), XLA programs run
+    on the calling thread (run_inline). Importing the packages changes none of this; the `sidra`
+    command, the benchmarks and the test suite call it first. Each setting has its switch, and
+    run_inline takes only before the process's first JAX computation. Returns what took."""
+    return {"kernel cache": use_compilation_cache(), "malloc": keep_freed_memory(), "inline dispatch": run_inline()}
+
+
+def tuned() -> str:
+    """Which of tune()'s settings this process has (sidra info)."""
+    cache = jax.config.jax_compilation_cache_dir
+    inline = not jax.config.read("jax_cpu_enable_async_dispatch")
+    return (f"kernel cache {cache or 'off'}, XLA programs {'inline' if inline else 'dispatched to a worker'}, "
+            f"malloc {'kept' if _MALLOC['kept'] else 'as it was'} (sidra_core.host.tune())")
+
+
+def use_compilation_cache() -> bool:
     """Compiled kernels persist across processes (the first forward of a model compiles one MVM per
     layer shape and row bucket), all of them: loading even a small one beats compiling it again.
-    A user's own cache setting wins; SIDRA_JAX_CACHE=0 disables."""
+    A user's own cache setting wins; SIDRA_JAX_CACHE=0 disables. Returns whether the cache is on."""
     cache_dir = os.environ.get("SIDRA_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sidra", "jax"))
     if cache_dir != "0" and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return bool(jax.config.jax_compilation_cache_dir)
 
 
 def run_inline() -> bool:
@@ -202,6 +220,7 @@ def run_inline() -> bool:
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 MALLOC_KEEP_BYTES = 1 << 30
+_MALLOC = {"kept": False}  # whether keep_freed_memory took in this process (glibc has no getter)
 
 
 def keep_freed_memory() -> bool:
@@ -222,5 +241,6 @@ def keep_freed_memory() -> bool:
         libc.gnu_get_libc_version  # glibc only: other C libraries read these parameters differently
     except (OSError, AttributeError):
         return False
-    return all(libc.mallopt(param, value) for param, value in (
+    _MALLOC["kept"] = all(libc.mallopt(param, value) for param, value in (
         (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, MALLOC_KEEP_BYTES), (_M_TRIM_THRESHOLD, MALLOC_KEEP_BYTES)))
+    return _MALLOC["kept"]

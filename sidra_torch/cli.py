@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from sidra_core import host
+
 SUBCOMMANDS = {
     "demo": ("sidra_torch.demo", "semantic search with the packaged MiniLM on CPU and on sidra:0, side by side"),
     "info": ("sidra_torch.info", "the chip's properties and the presets"),
@@ -18,6 +20,7 @@ SUBCOMMANDS = {
 
 
 def main(argv=None) -> int:
+    host.tune()
     ap = argparse.ArgumentParser(prog="sidra", description="SIDRA analog in-memory-computing chip, simulated.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}

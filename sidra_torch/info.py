@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 import sidra_core
 from sidra_core import host
 
@@ -68,6 +66,5 @@ def run(args) -> int:
                   f"background power {c.background_w:g} W while busy")
     console.print(f"Host: crossbar reads and engine INT8 matmuls by {host.dots()}; engine non-linearities and "
                   f"norms by {host.engine_ops()}; ISPP write-verify by {host.programming()}; packed snapshots "
-                  f"by {host.snapshots()}; kernel cache "
-                  f"{jax.config.jax_compilation_cache_dir or 'off'} (SIDRA_JAX_CACHE)")
+                  f"by {host.snapshots()}; process settings: {host.tuned()}")
     return 0

@@ -5,6 +5,12 @@ from pathlib import Path
 # Test helpers (opdb_harness) live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The suite runs with the simulator's process settings, as the `sidra` command does (importing the
+# packages changes nothing; test_core_host checks both).
+from sidra_core import host  # noqa: E402
+
+host.tune()
+
 
 def pytest_report_header(config):
     """Which dots this run's crossbar reads use: the host's instructions choose (SIDRA_CPU_FLAGS stands in)."""

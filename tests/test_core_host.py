@@ -48,7 +48,9 @@ def test_keep_freed_memory_takes_and_can_be_switched_off(monkeypatch):
 _ARENAS = """
 import ctypes, re, tempfile, threading
 import numpy as np
-import sidra_core  # sets the allocator up at import
+import sidra_core
+if SIDRA_TUNE:
+    sidra_core.host.tune()  # sets the allocator up
 
 def work():
     np.ones(1 << 20).sum()  # 8 MB through malloc on this thread
@@ -72,18 +74,21 @@ print(len(re.findall(r'<heap nr="[0-9]+">', open(path).read())))
 def test_worker_threads_share_the_one_arena():
     # XLA's worker threads would each get a malloc arena whose heaps give large buffers back to the
     # kernel on free (a page fault per 4 kB on every run); with the setting every thread uses one arena.
-    def arenas(tuning: str) -> int:
+    def arenas(tune: bool, tuning: str = "1") -> int:
         env = dict(os.environ, SIDRA_MALLOC_TUNING=tuning)
-        out = subprocess.run([sys.executable, "-c", _ARENAS], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", f"SIDRA_TUNE = {tune}\n" + _ARENAS], env=env, capture_output=True,
+                             text=True, check=True)
         return int(out.stdout.strip().splitlines()[-1])
 
-    assert arenas("1") == 1
-    assert arenas("0") > 1  # the check can tell the difference
+    assert arenas(True) == 1
+    assert arenas(True, tuning="0") > 1  # the switch leaves malloc alone, and the check can tell
+    assert arenas(False) > 1  # importing sidra_core does not touch malloc
 
 
-def _async_dispatch_after_import(env: dict, jax_first: bool) -> str:
+def _async_dispatch(env: dict, jax_first: bool, tune: bool = True) -> str:
     code = ("import jax\n" + ("jax.numpy.ones(1).block_until_ready()\n" if jax_first else "")
-            + "import sidra_core\nprint(jax.config.read('jax_cpu_enable_async_dispatch'))")
+            + "import sidra_core\n" + ("sidra_core.host.tune()\n" if tune else "")
+            + "print(jax.config.read('jax_cpu_enable_async_dispatch'))")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
                          check=True)
     return out.stdout.strip().splitlines()[-1]
@@ -91,10 +96,12 @@ def _async_dispatch_after_import(env: dict, jax_first: bool) -> str:
 
 def test_xla_programs_run_inline_unless_asked_or_too_late():
     # thread hand-offs of asynchronous dispatch cost more than a small kernel on a VM
-    assert _async_dispatch_after_import({"SIDRA_JAX_ASYNC": "0"}, jax_first=False) == "False"
-    assert _async_dispatch_after_import({"SIDRA_JAX_ASYNC": "1"}, jax_first=False) == "True"
+    assert _async_dispatch({"SIDRA_JAX_ASYNC": "0"}, jax_first=False) == "False"
+    assert _async_dispatch({"SIDRA_JAX_ASYNC": "1"}, jax_first=False) == "True"
     # JAX's CPU backend already exists: the setting cannot take and is left as the user has it
-    assert _async_dispatch_after_import({"SIDRA_JAX_ASYNC": "0"}, jax_first=True) == "True"
+    assert _async_dispatch({"SIDRA_JAX_ASYNC": "0"}, jax_first=True) == "True"
+    # without tune(), JAX's own default
+    assert _async_dispatch({"SIDRA_JAX_ASYNC": "0"}, jax_first=False, tune=False) == "True"
 
 
 def test_assumed_cpu_flags_give_another_hosts_choices():
@@ -118,7 +125,32 @@ def test_assumed_cpu_flags_give_another_hosts_choices():
 def test_the_kernel_cache_keeps_every_program(tmp_path):
     """Every compiled program persists, however fast it compiled: loading a small one beats
     compiling it again in the next process."""
-    code = "import jax, sidra_core; print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)"
+    code = ("import jax, sidra_core; sidra_core.host.tune(); "
+            "print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)")
     env = {**os.environ, "SIDRA_JAX_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[0] == f"{tmp_path} 0.0"
+
+
+_JAX_SETTINGS = """
+import jax
+{imports}
+print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
+      jax.config.read("jax_cpu_enable_async_dispatch"))
+"""
+
+
+@pytest.mark.parametrize("package", ["sidra_core", "sidra_jax", "sidra_torch"])
+def test_importing_a_package_leaves_jax_settings_as_they_were(package):
+    """Host tuning is tune()'s, not the import's: JAX's cache and dispatch settings after importing a
+    package are those of a process that never imported it."""
+    def settings(imports: str) -> str:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+        out = subprocess.run([sys.executable, "-c", _JAX_SETTINGS.format(imports=imports)], env=env,
+                             capture_output=True, text=True, check=True)
+        return out.stdout.strip().splitlines()[-1]
+
+    untouched = settings("")
+    assert settings(f"import {package}") == untouched
+    tuned = settings(f"import {package}\nfrom sidra_core import host\nhost.tune()")
+    assert tuned != untouched  # the check can tell the difference
