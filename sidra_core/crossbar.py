@@ -97,12 +97,6 @@ class ProgrammedWeight:
     def shape(self) -> tuple[int, int]:
         return self.grid.k, self.grid.n
 
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            a.nbytes for a in dataclasses.astuple(self) if isinstance(a, np.ndarray)
-        )
-
 
 def _written_now(shape: tuple[int, int], t_now: float) -> np.ndarray:
     """The programming times of a plane written at once: one time for every cell, as a read-only
