@@ -303,6 +303,7 @@ def test_native_ispp_is_xlas_to_the_bit(preset, overrides, monkeypatch):
 @pytest.mark.parametrize("preset,overrides", [
     ("y1", {"noise__stuck_off_rate": 0.01, "noise__stuck_on_rate": 0.005, "ispp__endurance": 6}),
     ("y1", {"noise__stuck_off_rate": 0.01, "ispp__enabled": False}),
+    ("y1", {"noise__stuck_off_rate": 0.01, "tile__rows": 64, "tile__cols": 48}),  # runs end inside rows
     ("pcm", {})])
 def test_native_programming_is_xlas_to_the_bit(preset, overrides, monkeypatch):
     """A whole weight programmed natively (write-verify, stuck map, drift exponents) holds XLA's
@@ -312,9 +313,10 @@ def test_native_programming_is_xlas_to_the_bit(preset, overrides, monkeypatch):
 
     spec = sc.preset(preset, **overrides)
     w = np.random.default_rng(3).normal(0, 0.05, (300, 300)).astype(np.float32)
-    native = crossbar.program(w, spec, seed=4, t_now=2.0, tile_ids=(5, 9, 11, 2))
+    tiles = tuple(range(3 * sc.tile_grid(300, 300, spec).tiles, 0, -3))  # physical tiles out of order
+    native = crossbar.program(w, spec, seed=4, t_now=2.0, tile_ids=tiles)
     monkeypatch.setenv("SIDRA_NATIVE_ISPP", "0")
-    xla = crossbar.program(w, spec, seed=4, t_now=2.0, tile_ids=(5, 9, 11, 2))
+    xla = crossbar.program(w, spec, seed=4, t_now=2.0, tile_ids=tiles)
     assert native.programming == xla.programming and native.programming.pulses > 0
     assert (native.programming.endurance_exceeded > 0) == (spec.ispp.endurance < spec.ispp.max_pulses)
     np.testing.assert_array_equal(native.adc_full_scale, xla.adc_full_scale)
