@@ -21,9 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from . import buckets, dlpack, host, rng, vnni
+from . import buckets, dlpack, host, ispp, rng, vnni
 from .blocks import map_blocks
-from .ispp import program_cells
 from .mapping import TileGrid, tile_grid
 from .quant import QMAX, QuantisedWeight, from_int8, quantise_rows, quantise_weight
 from .spec import ChipSpec
@@ -162,12 +161,25 @@ def _stuck_map(ids, seed, rates):
     return jnp.where(u < off, jnp.int8(-1), jnp.where(u < off + on, jnp.int8(1), jnp.int8(0)))
 
 
+def _stuck_seed(spec: ChipSpec, plane: int) -> np.uint32:
+    return np.uint32(rng.seed32(spec.seed, 0x57AC, plane))
+
+
+def _write_seed(seed: int, plane: int) -> int:
+    """A plane's programming seed (ispp.seeds derives the write-verify draws' from it)."""
+    return rng.seed32(seed, 0xCE11, plane)
+
+
+def _nu_seed(seed: int, plane: int) -> np.uint32:
+    return np.uint32(rng.seed32(rng.seed32(seed, 0xD21F7), 0xD21F7, plane))
+
+
 def _stuck(ids: np.ndarray, plane: int, spec: ChipSpec) -> np.ndarray:
     """Stuck cells are a property of the physical chip: keyed by the chip seed and cell id only."""
     n = spec.noise
     if n.stuck_off_rate == 0 and n.stuck_on_rate == 0:
         return np.zeros(ids.shape, np.int8)
-    seed = np.uint32(rng.seed32(spec.seed, 0x57AC, plane))
+    seed = _stuck_seed(spec, plane)
     rates = (n.stuck_off_rate, n.stuck_on_rate)
     return map_blocks(lambda i: _stuck_map(i, seed, rates), [ids], [0])[0].astype(np.int8)
 
@@ -181,7 +193,7 @@ def _nu(ids, plane, seed, spec: ChipSpec) -> np.ndarray:
     n = spec.noise
     if not spec.drifts:
         return np.zeros(ids.shape, np.float32)
-    seed = np.uint32(rng.seed32(seed, 0xD21F7, plane))
+    seed = _nu_seed(seed, plane)
     if host.native_ispp():
         return vnni.drift_exponents(ids, seed, n.drift_nu_mean, n.drift_nu_std)
     return map_blocks(lambda i: _draw_nu(i, seed, n.drift_nu_mean, n.drift_nu_std), [ids], [0])[0]
@@ -294,19 +306,16 @@ def _program_native(grid: TileGrid, codes: np.ndarray, scale: np.ndarray, tile_i
                     spec: ChipSpec, *, seed: int, t_now: float) -> ProgrammedWeight:
     """program()'s write of INT8 codes in one native pass over the cells (vnni.program): the same
     stuck map, targets, write-verify and drift exponents as its XLA path, to the bit."""
-    t, n, i = spec.tile, spec.noise, spec.ispp
-    seeds = [rng.seed32(spec.seed, 0x57AC, plane) for plane in (0, 1)]  # _stuck's
-    ispp_seeds = [rng.seed32(seed, 0xCE11, plane) for plane in (0, 1)]  # _write's, then program_cells'
-    seeds += [rng.seed32(s, 0x15BB) for s in ispp_seeds] + [rng.seed32(s, 0x4E1A) for s in ispp_seeds]
-    seeds += [rng.seed32(rng.seed32(seed, 0xD21F7), 0xD21F7, plane) for plane in (0, 1)]  # _nu's
-    span = t.g_max - t.g_min
-    params = (n.stuck_off_rate, n.stuck_off_rate + n.stuck_on_rate, (t.g_max - t.g_min) / QMAX, t.g_min, t.g_max,
-              n.drift_nu_mean, n.drift_nu_std,
-              i.tolerance * t.g_max / span, n.read_sigma, i.step0, i.ramp, i.c2c_sigma, t.g_min / span,
-              n.prog_relax_sigma, t.g_min, span)
+    t, n = spec.tile, spec.noise
+    planes = (0, 1)
+    draws = [ispp.seeds(_write_seed(seed, plane)) for plane in planes]  # as _write and program_cells draw
+    seeds = ([_stuck_seed(spec, plane) for plane in planes] + [d[0] for d in draws] + [d[1] for d in draws]
+             + [_nu_seed(seed, plane) for plane in planes])
+    cells = (n.stuck_off_rate, n.stuck_off_rate + n.stuck_on_rate, (t.g_max - t.g_min) / QMAX, t.g_min, t.g_max,
+             n.drift_nu_mean, n.drift_nu_std)
     (gp, gm), (nu_p, nu_m), (sp, sm), (wp, wm), stats = vnni.program(
-        codes, tile_ids, rows=grid.rows, cols=grid.cols, grid_n=grid.grid_n, seeds=seeds, params=params,
-        max_pulses=i.max_pulses, endurance=i.endurance, ispp=i.enabled, drifts=spec.drifts)
+        codes, tile_ids, rows=grid.rows, cols=grid.cols, grid_n=grid.grid_n, seeds=seeds, cells=cells,
+        pulses=ispp.pulse_params(spec), endurance=spec.ispp.endurance, ispp=spec.ispp.enabled, drifts=spec.drifts)
     most = int(stats[:, :, 2].max(initial=0))
     written, pulses, worn = (int(stats[:, :, j].sum()) for j in (0, 1, 3))
     times = _written_now(codes.shape, t_now)
@@ -416,7 +425,7 @@ def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=Non
         stuck = getattr(state, f"stuck_{name}")
         g0 = pick(g_old if start is None else start[i])
         if target_w is None:
-            res = program_cells(g0, pick(targets[i]), pick(stuck) != 0, pick(ids), spec, rng.seed32(seed, 0xCE11, i))
+            res = ispp.program_cells(g0, pick(targets[i]), pick(stuck) != 0, pick(ids), spec, _write_seed(seed, i))
             pulses, g_new = res.pulses, res.g
         else:  # float (ideal) mode: the weight is written exactly, one pulse per changed cell
             pulses = (g0 != pick(targets[i])).astype(np.int32)
@@ -424,7 +433,7 @@ def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=Non
         hit = pulses > 0
         # Written cells hold their new G and restart drift with a fresh exponent (a stuck cell
         # does not drift); the others keep their programmed G, exponent and programming time.
-        nu_new = _nu(pick(ids), i, rng.seed32(seed, 0xD21F7), spec)
+        nu_new = _nu(pick(ids), i, seed, spec)
         t_prog = getattr(state, f"t_prog_{name}")
         if sel is None:  # fresh programming (program()): every cell, none written before, all at t_now
             shape = g_old.shape

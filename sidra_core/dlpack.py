@@ -74,10 +74,14 @@ def to_jax(t) -> jax.Array:
 ALIGNMENT = 64  # XLA:CPU shares a host buffer aligned to this through DLPack; it copies any other
 
 
+def _size(shape, dtype) -> tuple[np.dtype, int]:
+    dtype = np.dtype(dtype)
+    return dtype, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
 def empty(shape, dtype) -> np.ndarray:
     """An uninitialised NumPy array at an ALIGNMENT-byte boundary, which `to_jax` shares."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    dtype, nbytes = _size(shape, dtype)
     buf = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -buf.ctypes.data % ALIGNMENT
     return buf[start:start + nbytes].view(dtype).reshape(shape)
@@ -93,8 +97,7 @@ def mapped(shape, dtype) -> np.ndarray:
     array). NumPy asks for transparent huge pages for such arrays, and where the kernel compacts
     memory to find them on the first touch (THP defrag "madvise", a common default), faulting in a
     model's programmed state stalls for seconds; these are plain pages."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    dtype, nbytes = _size(shape, dtype)
     if nbytes < _HUGE_PAGES_FROM:
         return empty(shape, dtype)
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)

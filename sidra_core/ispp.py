@@ -84,6 +84,21 @@ def _pulse_chunk(u, target, packed, ids, seed, relax_seed, params):
     return u, packed, done, g_min + settled * span
 
 
+def seeds(seed: int) -> tuple[np.uint32, np.uint32]:
+    """The write-verify draws' seed and the relaxation's, from a plane's programming seed."""
+    return np.uint32(rng.seed32(seed, 0x15BB)), np.uint32(rng.seed32(seed, 0x4E1A))
+
+
+def pulse_params(spec: ChipSpec) -> tuple:
+    """_pulse_chunk's parameters: tol_u, read_sigma, step0, ramp, c2c, max_pulses, g_min_u, relax,
+    g_min, span (normalised units: u = (G - g_min) / span)."""
+    t, n = spec.tile, spec.ispp
+    span = t.g_max - t.g_min
+    return (float(n.tolerance * t.g_max / span), float(spec.noise.read_sigma), float(n.step0), float(n.ramp),
+            float(n.c2c_sigma), int(n.max_pulses), float(t.g_min / span), float(spec.noise.prog_relax_sigma),
+            float(t.g_min), float(span))
+
+
 def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int) -> ISPPResult:
     """Write-verify every cell from `g_start` towards `g_target` (siemens, flat arrays).
 
@@ -104,18 +119,16 @@ def program_cells(g_start, g_target, stuck, cell_ids, spec: ChipSpec, seed: int)
 
     if g_start.size == 0:
         return ISPPResult(g=g_start.copy(), pulses=np.zeros(0, np.int32))
-    tol_u, g_min_u = float(n.tolerance * t.g_max / span), float(t.g_min / span)
-    seed_u = np.uint32(rng.seed32(seed, 0x15BB))
-    relax_seed = np.uint32(rng.seed32(seed, 0x4E1A))
-    params = (tol_u, float(spec.noise.read_sigma), float(n.step0), float(n.ramp), float(n.c2c_sigma),
-              int(n.max_pulses), g_min_u, float(spec.noise.prog_relax_sigma), float(t.g_min), float(span))
+    seed_u, relax_seed = seeds(seed)
+    params = pulse_params(spec)
+    tol_u, read_sigma, _, _, _, _, g_min_u, _, _, _ = params
     if host.native_ispp():  # each cell to its end at once: no chunks, no compaction
         g, pulses = vnni.ispp_write(g_start, g_target, stuck, cell_ids, seed_u, relax_seed, params)
         return ISPPResult(g=g, pulses=pulses)
 
     g = g_start.copy()
     out_pulses = np.zeros(g.size, np.int32)
-    verify = (tol_u, float(spec.noise.read_sigma), g_min_u, float(t.g_min), float(span))
+    verify = (tol_u, read_sigma, g_min_u, float(t.g_min), float(span))
     (failed,) = map_blocks(lambda a, b, i: _first_verify(a, b, i, seed_u, verify),
                            [g_start, g_target, cell_ids], [0, 0, 0], size=BLOCK * 4)
     failed = np.flatnonzero(failed)

@@ -272,14 +272,19 @@ def _flat(a, dtype) -> np.ndarray:
     return np.ascontiguousarray(np.ravel(a), dtype)
 
 
+def _pulse_floats(params: tuple) -> tuple[np.ndarray, int]:
+    """ispp.pulse_params as the kernel takes them: its floats in order (tol_u, read_sigma, step0, ramp,
+    c2c, g_min_u, relax, g_min, span) and max_pulses apart."""
+    return np.array(params[:5] + params[6:], np.float32), int(params[5])
+
+
 def ispp_write(g0, g1, stuck, ids, seed: int, relax_seed: int, params: tuple) -> tuple[np.ndarray, np.ndarray]:
     """`ispp.program_cells`'s write-verify of cells from g0 towards g1 (siemens; `stuck` cells never
     move), cell by cell in the kernel's threads (the same bits as its XLA chunks): each cell's final G
     and pulses given. `params` as ispp._pulse_chunk's."""
     g0, g1, ids = _flat(g0, np.float32), _flat(g1, np.float32), _flat(ids, np.uint32)
     stuck = None if stuck is None else _flat(stuck, np.bool_)
-    tol_u, read_sigma, step0, ramp, c2c, max_pulses, g_min_u, relax, g_min, span = params
-    floats = np.array([tol_u, read_sigma, step0, ramp, c2c, g_min_u, relax, g_min, span], np.float32)
+    floats, max_pulses = _pulse_floats(params)
     g, pulses = dlpack.empty(g0.size, np.float32), np.empty(g0.size, np.int32)
     _direct("ispp_write")(g0.ctypes.data, g1.ctypes.data, None if stuck is None else stuck.ctypes.data,
                           ids.ctypes.data, g0.size, int(seed), int(relax_seed), floats.ctypes.data, int(max_pulses),
@@ -295,17 +300,19 @@ def drift_exponents(ids, seed: int, mean: float, std: float) -> np.ndarray:
     return nu
 
 
-def program(codes: np.ndarray, tile_ids, *, rows: int, cols: int, grid_n: int, seeds, params, max_pulses: int,
+def program(codes: np.ndarray, tile_ids, *, rows: int, cols: int, grid_n: int, seeds, cells: tuple, pulses: tuple,
             endurance: float, ispp: bool, drifts: bool):
     """`crossbar.program`'s fresh write of INT8 codes (padded to the tile grid) in the kernel's threads
     (the same bits as its XLA path): per plane (plus, minus) the conductances, drift exponents, stuck
     map and pulses given, and the work items' statistics (items, plane, (cells written, pulses, most
-    pulses of a cell, cells past the endurance limit)). `seeds` (8) and `params` (16) as sidra_program's."""
+    pulses of a cell, cells past the endurance limit)). `seeds` (8) as sidra_program's; `cells`: stuck
+    off rate, off + on rate, dG, g_min, g_max, nu mean, nu std; `pulses`: ispp.pulse_params."""
     codes = np.ascontiguousarray(codes, np.int8)
     kp, np_ = codes.shape
     tiles = np.ascontiguousarray(tile_ids, np.uint32)
     seeds = np.asarray(seeds, np.uint32)
-    params = np.asarray(params, np.float32)
+    floats, max_pulses = _pulse_floats(pulses)
+    params = np.concatenate([np.asarray(cells, np.float32), floats])
     g, nu = ([dlpack.mapped(codes.shape, np.float32) for _ in range(2)] for _ in range(2))
     stuck = [dlpack.mapped(codes.shape, np.int8) for _ in range(2)]
     writes = [dlpack.mapped(codes.shape, np.int32) for _ in range(2)]

@@ -1347,6 +1347,12 @@ inline float normal(uint32_t seed, uint32_t counter) {  // rng.normal
   return kRoot2 * erfinv(open_uniform(seed, counter));
 }
 
+// crossbar._draw_nu: a cell's drift exponent max(mean + std z, 0), z = rng.normal(seed, id), as
+// XLA:CPU computes it: std folded into z's factor root 2 (k = std * root 2), the sum one FMA.
+inline float drift_exponent(uint32_t seed, uint32_t id, float k, float mean) {
+  return std::max(std::fma(k, erfinv(open_uniform(seed, id)), mean), 0.0f);
+}
+
 // ispp's parameters, in its order (_first_verify's are the subset it names).
 struct IsppParams {
   float tol_u, read_sigma, step0, ramp, c2c;
@@ -1609,7 +1615,7 @@ extern "C" void sidra_program(const int8_t* codes, int64_t kp, int64_t np_, int6
       if (drifts) {  // a fresh exponent for each cell written and not stuck
         const uint32_t seed = seeds[6 + p];
         for (int64_t i = 0; i < n; ++i) {
-          const float z = std::max(std::fma(nu_k, erfinv(open_uniform(seed, id[i])), nu_mean), 0.0f);
+          const float z = drift_exponent(seed, id[i], nu_k, nu_mean);
           nu[i] = writes[i] > 0 && !stuck[p][i] ? z : 0.0f;
         }
       } else {
@@ -1631,15 +1637,14 @@ extern "C" void sidra_program(const int8_t* codes, int64_t kp, int64_t np_, int6
   });
 }
 
-// crossbar._draw_nu: each cell's drift exponent max(mean + std z, 0), z = rng.normal(seed, id), as
-// XLA:CPU computes it: std folded into z's factor root 2, the sum contracted into one FMA.
+// crossbar._draw_nu: each cell's drift exponent (drift_exponent).
 extern "C" void sidra_drift_exponents(const uint32_t* ids, int64_t n, uint32_t seed, float mean, float std,
                                       float* nu) {
   const float k = std * kRoot2;
   for_cells(n, 64, [=](int64_t lo, int64_t hi) {
     const uint32_t* __restrict cid = ids;
     float* __restrict out = nu;
-    for (int64_t i = lo; i < hi; ++i) out[i] = std::max(std::fma(k, erfinv(open_uniform(seed, cid[i])), mean), 0.0f);
+    for (int64_t i = lo; i < hi; ++i) out[i] = drift_exponent(seed, cid[i], k, mean);
   });
 }
 
