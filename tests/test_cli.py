@@ -20,6 +20,7 @@ def test_sidra_info(capsys, restore_chip):
     assert f"ISPP write-verify by {host.programming()}" in flat(out)
     assert f"norms by {host.engine_ops()}" in flat(out)
     assert f"packed snapshots by {host.snapshots()}" in flat(out)
+    assert f"process settings: {host.tuned()}" in flat(out)
     assert cli.main(["info", "--chip", "y1"]) == 0
     assert "background power 2.9 W while busy" in flat(capsys.readouterr().out)
 

@@ -154,3 +154,13 @@ def test_importing_a_package_leaves_jax_settings_as_they_were(package):
     assert settings(f"import {package}") == untouched
     tuned = settings(f"import {package}\nfrom sidra_core import host\nhost.tune()")
     assert tuned != untouched  # the check can tell the difference
+
+
+@glibc_only
+def test_tuned_says_which_settings_the_process_has():
+    code = "import sidra_core; print(sidra_core.host.tuned()); sidra_core.host.tune(); print(sidra_core.host.tuned())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SIDRA_JAX", "SIDRA_MALLOC"))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    before, after = out.stdout.strip().splitlines()[-2:]
+    assert "kernel cache off" in before and "dispatched to a worker" in before and "malloc as it was" in before
+    assert "kernel cache off" not in after and "XLA programs inline" in after and "malloc kept" in after
