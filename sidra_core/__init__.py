@@ -12,7 +12,7 @@ from . import versions as _versions
 _versions.check("jax", _jax.__version__)
 _versions.check("jaxlib", _jaxlib.__version__)
 
-from . import cost, engine, rng  # noqa: E402
+from . import cost, engine, ops, rng  # noqa: E402
 from .clock import Counters, DeviceClock  # noqa: E402
 from .conv import conv, conv_args, weight_matrix as conv_weight_matrix  # noqa: E402
 from .cost import Cost  # noqa: E402

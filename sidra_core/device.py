@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import buckets, cost, crossbar, engine, rng, vnni
+from . import buckets, crossbar, engine, ops, rng, vnni
 from .conv import conv as conv_kernel
 from .conv import conv_args, output_positions
 from .clock import DeviceClock
@@ -160,7 +160,7 @@ class Chip:
 
     def _charge_programming(self, state: crossbar.ProgrammedWeight) -> None:
         rep = state.programming
-        self.clock.charge(cost.programming(rep.pulses, self.spec), pulses=rep.pulses, cells_programmed=rep.cells_written)
+        self.charge(ops.programming(rep.pulses, rep.cells_written, self.spec))
         if rep.endurance_exceeded:
             warnings.warn(
                 f"{rep.endurance_exceeded} cells were written more than their endurance of "
@@ -221,7 +221,7 @@ class Chip:
                 bias = buckets.put(bias)
             y = buckets.take(crossbar.mvm(snap, buckets.pad(x, shape=(rows, k)), np.uint32(self.next_seed()), bias,
                                           **kw), (rows, n), (*lead, n))
-        self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
+        self.charge(ops.mvm(rows, k, n, self.spec))
         return y
 
     def conv(self, res: Resident, x, w_shape, bias=None, stride=1, padding=0, dilation=1):
@@ -232,7 +232,7 @@ class Chip:
                         **crossbar.mvm_kwargs(self.spec))
         rows = int(shape[0]) * output_positions(shape, w_shape, stride, padding, dilation)
         k, n = res.shape
-        self.clock.charge(cost.mvm(rows, k, n, self.spec), mvms=1, tile_reads=rows * res.tiles)
+        self.charge(ops.mvm(rows, k, n, self.spec))
         return buckets.take(y, (shape[0], *y.shape[1:]))
 
     # -- compute engine -------------------------------------------------------
@@ -264,7 +264,7 @@ class Chip:
             y = _by_rows(engine.batch_norm, x, np.ndim(x) - 1, precision=p, **kwargs)
         else:
             raise ValueError(f"the compute engine has no op {op!r}")
-        self.clock.charge(cost.engine(op, int(np.size(x)), self.spec), engine_ops=1)
+        self.charge(ops.engine(op, int(np.size(x)), self.spec))
         return y
 
     def matmul(self, a, b):
@@ -283,7 +283,7 @@ class Chip:
             ap = buckets.pad(xa.broadcast_to(a, (*lead, m, kk)), axes=(0, 1), shape=(nb, m, kk))
             bp = buckets.pad(xb.broadcast_to(b, (*lead, kk, n)), axes=(0, 2), shape=(nb, kk, n))
             y = buckets.take(engine.matmul(ap, bp, mode=mode), (nb, m, n), (*lead, m, n))
-        self.clock.charge(cost.engine_matmul(nb, m, kk, n, self.spec), engine_ops=1)
+        self.charge(ops.engine_matmul(nb, m, kk, n, self.spec))
         return y
 
     def attention(self, q, k, v, mask=None, *, scale: float, causal: bool = False, shapes=None):
@@ -299,9 +299,7 @@ class Chip:
         else:
             y = engine.attention(q, k, v, mask, scale=float(scale), causal=bool(causal), precision=e.precision,
                                  mode=e.matmul)
-        for c in cost.attention(*cost.attention_dims(*(shapes or (np.shape(q), np.shape(k), np.shape(v)))),
-                                self.spec):
-            self.clock.charge(c, engine_ops=1)
+        self.charge(ops.attention_of(*(shapes or (np.shape(q), np.shape(k), np.shape(v))), self.spec))
         return y
 
     def attends_directly(self, q, k, v, mask=None, causal: bool = False) -> bool:
@@ -313,13 +311,16 @@ class Chip:
                 and all(getattr(t, "dtype", None) == np.float32 for t in (q, k, v))
                 and engine.native_attention(self.spec.engine.matmul, np.shape(q)[-1], np.shape(k)[-2], mask))
 
+    def charge(self, price: ops.Price) -> None:
+        """Charge the device clock for one op (sidra_core.ops' price of it)."""
+        self.clock.charge(price.cost, **price.counts)
+
     def charge_memory(self, nbytes: int, level: str = "dram") -> None:
         """Data movement in device memory: `sram` for activations, `dram` for stored tensors."""
-        self.clock.charge(cost.memory(nbytes, self.spec, level), memory_ops=1)
+        self.charge(ops.memory(nbytes, self.spec, level))
 
     def charge_host(self, nbytes: int, transfers: int = 1, fallback: bool = False) -> None:
-        self.clock.charge(cost.host_transfer(nbytes, self.spec, transfers), host_transfers=transfers,
-                          host_bytes=nbytes, fallback_ops=int(fallback))
+        self.charge(ops.host_transfer(nbytes, self.spec, transfers, fallback))
 
     def set_drift_compensation(self, enabled: bool) -> None:
         """Switch the global drift compensation (a per-tile gain from a reference read) on or off.

@@ -3,7 +3,7 @@
 On plain JAX (outside `sidra_jax.jit`) each function computes the exact float
 result (`sidra_core.engine` at fp32). Inside `sidra_jax.jit` the interpreter
 sees each call as one marked `jit` equation and runs it as ONE compute-engine
-op at the chip's precision, priced as that op (`sidra_core.cost.engine`), as
+op at the chip's precision, priced as that op (`sidra_core.ops.engine`), as
 sidra_torch prices `aten.gelu`, `aten._softmax`, `aten.native_layer_norm`.
 
 Why this module exists: `jax.nn.gelu` and `jax.nn.softmax` are inlined into

@@ -17,7 +17,7 @@ so the same computation costs the same on both bridges:
 - host: everything else (pooling windows, sorting, control flow, RNG):
   computed exactly, paying the host link both ways, as sidra_torch's fallback.
 
-Costs are static: `sidra_core.cost` of the jaxpr's shapes. The plan is built
+Prices are static: `sidra_core.ops` of the jaxpr's shapes, as the chip charges them. The plan is built
 once per input signature; executing it is `execute.run` under `jax.jit`.
 """
 
@@ -31,9 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from sidra_core import cost
+from sidra_core import ops
 from sidra_core.cost import ZERO, Cost
-from sidra_core.mapping import tile_grid
 from sidra_core.spec import ChipSpec
 
 from . import nn as _nn
@@ -133,14 +132,18 @@ class Transfer:
 
     name: str
     nbytes: int
-    cost: Cost
+    spec: ChipSpec
     where: str = "host"
     wref: None = None
     seed: None = None
 
     @property
+    def cost(self) -> Cost:
+        return ops.host_transfer(self.nbytes, self.spec).cost
+
+    @property
     def counts(self) -> dict:
-        return {"host_transfers": 1, "host_bytes": self.nbytes}
+        return dict(ops.host_transfer(self.nbytes, self.spec).counts)
 
 
 def _numel(aval) -> int:
@@ -209,17 +212,21 @@ class _Builder:
                 env[v] = r
         return [read(a) for a in jaxpr.outvars]
 
-    def _emit(self, kind, name, where, eqn, ins, **kw) -> list:
+    def _emit(self, kind, name, eqn, ins, price: ops.Price | None = None, **kw) -> list:
+        """One instruction; `price` None for a free op (views, metadata)."""
         outs = [self.new(v.aval) for v in eqn.outvars]
-        ins_ = Instr(kind=kind, name=name, where=where, ins=list(ins), outs=outs,
+        if price is None:
+            kw["where"] = None
+        else:
+            kw.update(where=price.where, cost=price.cost, counts=dict(price.counts))
+        ins_ = Instr(kind=kind, name=name, ins=list(ins), outs=outs,
                      out_avals=[v.aval for v in eqn.outvars], prim=eqn.primitive, params=dict(eqn.params), **kw)
         self.instrs.append(ins_)
         return outs
 
     def _crossbar(self, kind, name, eqn, ins, meta: dict, rows: int, k: int, n: int) -> list:
         """An MVM of `rows` inputs through a K x N crossbar weight, priced and counted."""
-        return self._emit(kind, name, "crossbar", eqn, ins, meta=meta, cost=cost.mvm(rows, k, n, self.spec),
-                          counts={"mvms": 1, "tile_reads": rows * tile_grid(k, n, self.spec).tiles})
+        return self._emit(kind, name, eqn, ins, ops.mvm(rows, k, n, self.spec), meta=meta)
 
     def eqn(self, eqn, ins) -> list:
         name = eqn.primitive.name
@@ -231,7 +238,7 @@ class _Builder:
         if name == "conv_general_dilated":
             return self.conv(eqn, ins)
         if name in FREE:
-            outs = self._emit("bind", "sidra::" + name, None, eqn, ins)
+            outs = self._emit("bind", "sidra::" + name, eqn, ins)
             src = ins[0] if ins else None
             if name in WEIGHT_VIEWS and not isinstance(src, Lit) and src in self.origin and len(outs) == 1:
                 leaf, chain = self.origin[src]
@@ -239,16 +246,14 @@ class _Builder:
             return outs
         if name in ENGINE_PRIMS:
             op = ENGINE_PRIMS[name]
-            return self._emit("engine_op", "sidra::" + op, "engine", eqn, ins, meta={"op": op},
-                              cost=cost.engine(op, _numel(eqn.outvars[0].aval), self.spec), counts={"engine_ops": 1})
+            return self._emit("engine_op", "sidra::" + op, eqn, ins, ops.engine(op, _numel(eqn.outvars[0].aval), self.spec),
+                              meta={"op": op})
         if name in ELEMENTWISE:
             numel = max([_numel(v.aval) for v in eqn.outvars] + [_numel(self.aval(r)) for r in ins])
-            return self._emit("elementwise", "sidra::" + name, "engine", eqn, ins,
-                              cost=cost.engine("elementwise", numel, self.spec), counts={"engine_ops": 1})
+            return self._emit("elementwise", "sidra::" + name, eqn, ins, ops.elementwise(numel, self.spec))
         if name in MEMORY:
             nbytes = sum(_nbytes(v.aval) for v in eqn.outvars)
-            return self._emit("memory", "sidra::" + name, "memory", eqn, ins,
-                              cost=cost.memory(nbytes, self.spec), counts={"memory_ops": 1})
+            return self._emit("memory", "sidra::" + name, eqn, ins, ops.memory(nbytes, self.spec))
         return self.host(eqn, ins)
 
     def host(self, eqn, ins, name=None) -> list:
@@ -258,9 +263,7 @@ class _Builder:
                           f"chip); unroll it with a Python loop to run its matmuls on the crossbars",
                           stacklevel=2)
         nbytes = sum(_nbytes(self.aval(r)) for r in ins) + sum(_nbytes(v.aval) for v in eqn.outvars)
-        return self._emit("bind", name or "sidra::" + eqn.primitive.name, "host", eqn, ins,
-                          cost=cost.host_transfer(nbytes, self.spec, 2),
-                          counts={"host_transfers": 2, "host_bytes": nbytes, "fallback_ops": 1})
+        return self._emit("bind", name or "sidra::" + eqn.primitive.name, eqn, ins, ops.host_fallback(nbytes, self.spec))
 
     # -- calls -------------------------------------------------------------------
 
@@ -272,19 +275,18 @@ class _Builder:
             op, kw = _nn.REGISTRY[fname]
             if op == "attention":  # priced as sidra_torch prices scaled_dot_product_attention: its 4 ops
                 (b, s, h, d), (_, t, _, dv) = self.aval(ins[0]).shape, self.aval(ins[2]).shape
-                parts = cost.attention(b * h, s, d, t, dv, self.spec)
-                price, ops = sum(parts[1:], parts[0]), len(parts)
+                price = ops.attention(b * h, s, d, t, dv, self.spec)
             else:
-                price, ops = cost.engine(op, _numel(self.aval(ins[0])), self.spec), 1
-            return self._emit("marked", "sidra::" + op.replace("gelu_tanh", "gelu"), "engine", eqn, ins,
-                              meta={"op": op, "kw": kw}, cost=price, counts={"engine_ops": ops})
+                price = ops.engine(op, _numel(self.aval(ins[0])), self.spec)
+            return self._emit("marked", "sidra::" + op.replace("gelu_tanh", "gelu"), eqn, ins, price,
+                              meta={"op": op, "kw": kw})
         if name in ("pjit", "jit", "custom_jvp_call") and fname in ENGINE_CALLS and len(ins) == 1 \
                 and len(eqn.outvars) == 1 and _is_float(self.aval(ins[0])) and _from_jax_nn(eqn):
             op = ENGINE_CALLS[fname]
             # executed as the engine's op; its straight-through backward binds this very call (and so
             # keeps jax.nn.relu's own derivative rule, 0 at 0)
-            return self._emit("engine_op", "sidra::" + op, "engine", eqn, ins, meta={"op": op},
-                              cost=cost.engine(op, _numel(self.aval(ins[0])), self.spec), counts={"engine_ops": 1})
+            return self._emit("engine_op", "sidra::" + op, eqn, ins, ops.engine(op, _numel(self.aval(ins[0])), self.spec),
+                              meta={"op": op})
         if name in ("pjit", "jit"):
             sub = p["jaxpr"]
         elif name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "core_call"):
@@ -352,15 +354,12 @@ class _Builder:
         # activation x activation (or weight x weight): the engine's INT8 MACs
         if not (_is_float(la) and _is_float(ra)):
             numel = max(_numel(out_aval), _numel(la), _numel(ra))
-            return self._emit("elementwise", "sidra::dot_general", "engine", eqn, ins,
-                              cost=cost.engine("elementwise", numel, self.spec), counts={"engine_ops": 1})
+            return self._emit("elementwise", "sidra::dot_general", eqn, ins, ops.elementwise(numel, self.spec))
         nb = math.prod(la.shape[d] for d in lb)
         kk = math.prod(la.shape[d] for d in lc)
         m = math.prod(s for d, s in enumerate(la.shape) if d not in lc and d not in lb)
         n = math.prod(s for d, s in enumerate(ra.shape) if d not in rc and d not in rb)
-        return self._emit("matmul", "sidra::matmul", "engine", eqn, ins,
-                          cost=cost.engine_matmul(int(nb), int(m), int(kk), int(n), self.spec),
-                          counts={"engine_ops": 1})
+        return self._emit("matmul", "sidra::matmul", eqn, ins, ops.engine_matmul(int(nb), int(m), int(kk), int(n), self.spec))
 
     def conv(self, eqn, ins) -> list:
         p = eqn.params
@@ -546,12 +545,12 @@ def build(closed, spec: ChipSpec, leaf_is_weight: list[bool], leaf_resident: lis
         for i, v in enumerate(closed.jaxpr.invars):
             if not leaf_resident[i]:
                 nb = _nbytes(v.aval)
-                steps.append(Transfer("sidra::host_to_device", nb, cost.host_transfer(nb, spec)))
+                steps.append(Transfer("sidra::host_to_device", nb, spec))
     steps += [i for i in b.instrs if i.where is not None]
     if transfers:
         for r in out_refs:
             nb = _nbytes(b.aval(r))
-            steps.append(Transfer("sidra::device_to_host", nb, cost.host_transfer(nb, spec)))
+            steps.append(Transfer("sidra::device_to_host", nb, spec))
     total = ZERO
     counts: dict = {}
     for s in steps:

@@ -1,4 +1,4 @@
-"""The dispatch table: where each aten op runs on the chip, and what it costs.
+"""The dispatch table: where each aten op runs on the chip (priced by sidra_core.ops, through Chip).
 
 Every op that reaches the device is one of:
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sidra_core import conv_weight_matrix, cost, engine
+from sidra_core import conv_weight_matrix, engine, ops
 from sidra_core.engine import STORAGE
 
 from . import rnn, runtime, transformer
@@ -328,7 +328,7 @@ def _round_engine(t: torch.Tensor) -> torch.Tensor:
 
 def _elementwise_finish(out, numel: int):
     chip = runtime.current_chip()
-    chip.clock.charge(cost.engine("elementwise", numel, chip.spec), engine_ops=1)
+    chip.charge(ops.elementwise(numel, chip.spec))
     return _round_engine(out) if isinstance(out, torch.Tensor) else out
 
 
@@ -338,7 +338,7 @@ def elementwise(func, args, uargs, ukwargs):
     if isinstance(out, torch.Tensor):
         return _elementwise_finish(out, max(out.numel(), _max_numel(uargs)))
     chip = runtime.current_chip()
-    chip.clock.charge(cost.engine("elementwise", _max_numel(uargs), chip.spec), engine_ops=1)
+    chip.charge(ops.elementwise(_max_numel(uargs), chip.spec))
     return out
 
 
@@ -346,7 +346,7 @@ def elementwise_inplace(func, args, uargs, ukwargs):
     """In-place arithmetic: computed exactly (optimizer updates must not be rounded), priced on the engine."""
     out = func._op(*uargs, **ukwargs)
     chip = runtime.current_chip()
-    chip.clock.charge(cost.engine("elementwise", _max_numel(uargs), chip.spec), engine_ops=1)
+    chip.charge(ops.elementwise(_max_numel(uargs), chip.spec))
     return out
 
 

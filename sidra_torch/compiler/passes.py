@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from sidra_core import cost, graph_cost, tile_grid
+from sidra_core import graph_cost, ops, tile_grid
 from sidra_core.cost import ZERO, Cost
 from sidra_core.graph_cost import Stage
 
@@ -333,14 +333,24 @@ def crossbar_mapping(gm, names: list[str], chip) -> MappingReport:
 # 4. pricing
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpPrice:
-    """One device op of the compiled graph: its name, where it runs, its stage in the pipeline."""
+    """One device op of the compiled graph: its profiler name and its price (sidra_core.ops)."""
 
     name: str
-    where: str
-    stage: Stage
-    counts: dict = field(default_factory=dict)
+    price: ops.Price
+
+    @property
+    def where(self) -> str:
+        return self.price.where
+
+    @property
+    def stage(self) -> Stage:
+        return self.price.stage
+
+    @property
+    def counts(self):
+        return self.price.counts
 
 
 def _rows(v) -> int:
@@ -352,11 +362,12 @@ def _rows(v) -> int:
 def _price_node(n, spec) -> OpPrice | None:
     where = n.meta.get("sidra_where")
     out = _meta(n)
-    launch = spec.engine.launch_s
     name = "sidra::" + _short(n.target)
     if where == "crossbar":
         if "sidra_fused" in n.meta:
-            return _price_fused(n, spec)
+            parts = [_price_node(m, spec) for m in n.meta["sidra_fused"]]
+            return OpPrice("sidra::" + n.target.__name__.removeprefix("sidra_"),
+                           ops.fused([p.price for p in parts if p is not None]))
         use = n.meta["sidra_crossbar"]
         k, nn = crossbar_shape(n)
         if use.groups is not None:  # convolution: one MVM row per output position
@@ -366,47 +377,25 @@ def _price_node(n, spec) -> OpPrice | None:
         else:
             x = _meta(n.args[use.arg - 1])  # mm(x, W), addmm(bias, x, W)
             rows = x.numel() // x.shape[-1]
-        g = tile_grid(k, nn, spec)
-        c = cost.mvm(rows, k, nn, spec)
-        fixed = (g.grid_k - 1) * spec.cost.accum_s_per_tile
-        return OpPrice(name, "crossbar", Stage(c, fixed, rows), {"mvms": 1, "tile_reads": rows * g.tiles})
+        return OpPrice(name, ops.mvm(rows, k, nn, spec))
     if where == "engine":
         low = TABLE[n.target]
         if low.kind == "matmul":  # activation x activation: bmm, or mm/addmm of two activations
             a, b = _meta(n.args[-2]), _meta(n.args[-1])
             *batch, m, kk = a.shape
             nb = int(np.prod(np.broadcast_shapes(tuple(batch), tuple(b.shape[:-2])), dtype=np.int64))
-            c = cost.engine_matmul(nb, m, kk, b.shape[-1], spec)
-            if n.target is aten.addmm.default:
-                c = c + cost.engine("elementwise", out.numel(), spec)
-            return OpPrice(name, "engine", Stage(c, launch, nb * m, barrier=True), {"engine_ops": 1})
+            return OpPrice(name, ops.engine_matmul(nb, m, kk, b.shape[-1], spec, bias=n.target is aten.addmm.default))
         if low.engine_op == "attention":  # priced as its ops, as eager charges them
-            parts = cost.attention(*cost.attention_dims(*(_meta(a).shape for a in n.args[:3])), spec)
-            return OpPrice(name, "engine", Stage(sum(parts[1:], parts[0]), launch, _rows(out[0]), barrier=True),
-                           {"engine_ops": len(parts)})
+            return OpPrice(name, ops.attention_of(*(_meta(a).shape for a in n.args[:3]), spec))
+        first = out if not isinstance(out, tuple) else out[0]
         if low.kind == "engine":
-            c = cost.engine(low.engine_op, _numel(_meta(n.args[0])), spec)
-        else:
-            numel = max([_numel(out if not isinstance(out, tuple) else out[0])]
-                        + [_numel(_meta(a)) for a in n.args if isinstance(a, fx.Node)])
-            c = cost.engine("elementwise", numel, spec)
-        return OpPrice(name, "engine", Stage(c, launch, _rows(out if not isinstance(out, tuple) else out[0])),
-                       {"engine_ops": 1})
+            return OpPrice(name, ops.engine(low.engine_op, _numel(_meta(n.args[0])), spec, _rows(first)))
+        numel = max([_numel(first)] + [_numel(_meta(a)) for a in n.args if isinstance(a, fx.Node)])
+        return OpPrice(name, ops.elementwise(numel, spec, _rows(first)))
     if where == "memory":
         level = "dram" if any(_weight_of(a) is not None for a in n.args[:2]) else "sram"
-        return OpPrice(name, "memory", Stage(cost.memory(nbytes(out), spec, level)), {"memory_ops": 1})
+        return OpPrice(name, ops.memory(nbytes(out), spec, level))
     return None
-
-
-def _price_fused(n, spec) -> OpPrice:
-    parts = [_price_node(m, spec) for m in n.meta["sidra_fused"]]
-    parts = [p for p in parts if p is not None]
-    head, epi = parts[0], parts[1:]
-    saved = sum(p.stage.cost.memory for p in epi)
-    c = graph_cost.fused([p.stage.cost for p in parts], saved_io_j=saved)
-    counts = dict(head.counts)
-    return OpPrice("sidra::" + n.target.__name__.removeprefix("sidra_"), "crossbar",
-                   Stage(c, head.stage.fixed_s, head.stage.rows), counts)
 
 
 def price(gm, spec) -> list[OpPrice]:

@@ -1,0 +1,130 @@
+"""The device ops' prices (sidra_core.ops): defined once, charged by the chip as the two graph
+planners price them."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+
+import sidra_core as sc
+from sidra_core import cost, ops
+
+Y1 = sc.preset("y1")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("sidra_core", "sidra_torch", "sidra_jax")
+# sidra_core.cost's pricing functions; its types and constants may be imported anywhere
+PRICING = {"mvm", "conv", "engine", "engine_matmul", "attention", "attention_dims", "memory", "host_transfer",
+           "chip_link", "programming"}
+
+
+def _cost_imports(path: pathlib.Path) -> list[str]:
+    """How a source file reaches sidra_core.cost's pricing: each import of the module, of a pricing
+    function, or a call through the module (as 'line: what')."""
+    tree = ast.parse(path.read_text(), str(path))
+    in_core = path.parent.name == "sidra_core"
+    aliases, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            names = {a.name: a.asname or a.name for a in node.names}
+            if module in ("sidra_core.cost",) or (in_core and node.level == 1 and module == "cost"):
+                found += [f"{node.lineno}: from cost import {n}" for n in names if n in PRICING]
+            elif module == "sidra_core" or (in_core and node.level == 1 and not module):
+                if "cost" in names:
+                    aliases.add(names["cost"])
+                    found.append(f"{node.lineno}: imports the cost module")
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if a.name == "sidra_core.cost"]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr in PRICING:
+            found.append(f"{node.lineno}: calls cost.{node.attr}")
+    return found
+
+
+def test_only_the_op_layer_prices_device_ops():
+    """No frontend (eager dispatch, the compiler, sidra_jax) and no other core module prices an op
+    with sidra_core.cost: they all charge or plan with sidra_core.ops. (The package's __init__
+    re-exports the cost module for dry runs.)"""
+    allowed = {ROOT / "sidra_core" / "ops.py", ROOT / "sidra_core" / "__init__.py"}
+    offenders = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            uses = _cost_imports(path)
+            if uses and path not in allowed:
+                offenders[str(path.relative_to(ROOT))] = uses
+    assert not offenders, f"device ops priced outside sidra_core.ops: {offenders}"
+    assert _cost_imports(ROOT / "sidra_core" / "ops.py"), "the scan no longer sees the op layer's own pricing"
+
+
+def test_the_scan_catches_a_frontend_that_prices_an_op(tmp_path):
+    bad = tmp_path / "frontend.py"
+    bad.write_text("from sidra_core import cost as c\nfrom sidra_core.cost import engine, Cost\n"
+                   "import sidra_core.cost\nx = c.mvm(1, 2, 3, None)\n")
+    uses = _cost_imports(bad)
+    assert any("engine" in u for u in uses) and any("import sidra_core.cost" in u for u in uses)
+    assert any("calls cost.mvm" in u for u in uses) and any("cost module" in u for u in uses)
+    fine = tmp_path / "fine.py"
+    fine.write_text("from sidra_core.cost import ZERO, Cost\nx = spec.cost.tile_mvm_s + p.cost.memory\n")
+    assert _cost_imports(fine) == []
+
+
+def test_mvm_price_counts_the_tiles_read_and_streams_its_rows():
+    p = ops.mvm(10, 768, 300, Y1)
+    assert p.where == "crossbar" and p.cost == cost.mvm(10, 768, 300, Y1)
+    assert dict(p.counts) == {"mvms": 1, "tile_reads": 10 * 3 * 2}  # 3 x 2 tiles of 256 x 256
+    assert p.fixed_s == pytest.approx(2 * Y1.cost.accum_s_per_tile) and p.rows == 10 and not p.barrier
+
+
+def test_prices_are_immutable_and_memoised():
+    p = ops.engine("gelu", 4096, Y1, 16)
+    assert ops.engine("gelu", 4096, Y1, 16) is p
+    with pytest.raises(TypeError):
+        p.counts["engine_ops"] = 5
+    assert dict(p.counts) == {"engine_ops": 1} and p.fixed_s == Y1.engine.launch_s and p.rows == 16
+
+
+def test_engine_matmul_and_attention_prices():
+    plain = ops.engine_matmul(4, 8, 16, 32, Y1)
+    with_bias = ops.engine_matmul(4, 8, 16, 32, Y1, bias=True)
+    assert plain.barrier and plain.rows == 32 and dict(plain.counts) == {"engine_ops": 1}
+    assert with_bias.cost == plain.cost + cost.engine("elementwise", 4 * 8 * 32, Y1)
+    att = ops.attention_of((2, 3, 10, 16), (2, 3, 12, 16), (2, 3, 12, 8), Y1)
+    parts = cost.attention(6, 10, 16, 12, 8, Y1)
+    assert att.cost == sum(parts[1:], parts[0]) and dict(att.counts) == {"engine_ops": 4}
+    assert att is ops.attention(6, 10, 16, 12, 8, Y1) and att.rows == 60 and att.barrier
+
+
+def test_fused_op_is_counted_as_its_mvm_and_saves_the_epilogue_round_trips():
+    head, act = ops.mvm(64, 256, 512, Y1), ops.engine("gelu", 64 * 512, Y1, 64)
+    f = ops.fused([head, act])
+    assert f.counts == head.counts and f.where == "crossbar" and (f.fixed_s, f.rows) == (head.fixed_s, head.rows)
+    assert f.cost.latency_s == pytest.approx(max(head.cost.latency_s, act.cost.latency_s))
+    assert f.cost.memory == pytest.approx(head.cost.memory)
+    assert f.cost.engine == pytest.approx(act.cost.engine)
+
+
+def test_host_prices():
+    fb = ops.host_fallback(1000, Y1)
+    assert dict(fb.counts) == {"host_transfers": 2, "host_bytes": 1000, "fallback_ops": 1}
+    assert fb.cost == cost.host_transfer(1000, Y1, 2) and fb.where == "host"
+    assert dict(ops.host_transfer(64, Y1).counts) == {"host_transfers": 1, "host_bytes": 64}
+    assert dict(ops.memory(64, Y1, "sram").counts) == {"memory_ops": 1}
+
+
+def test_chip_charges_the_op_layers_price():
+    chip = sc.Chip(spec=Y1, seed=3)
+    rng = np.random.default_rng(0)
+    res = chip.program(rng.standard_normal((300, 70)).astype(np.float32))
+    before = chip.clock.counters
+    chip.linear(res, rng.standard_normal((5, 300)).astype(np.float32))
+    after = chip.clock.counters
+    price = ops.mvm(5, 300, 70, Y1)
+    assert after.cost.latency_s - before.cost.latency_s == pytest.approx(price.cost.latency_s)
+    assert after.cost.array - before.cost.array == pytest.approx(price.cost.array)
+    for name, value in price.counts.items():
+        assert getattr(after, name) - getattr(before, name) == value
+    assert after.engine_ops == before.engine_ops
