@@ -16,7 +16,6 @@ from sidra_core import versions as _versions
 _versions.check("torch", torch.__version__)
 
 from . import profiler  # noqa: E402
-from . import weights as _weights  # noqa: E402
 from ._registration import register  # noqa: E402
 from .runtime import (Event, advance, counters, current_chip, device_time, drift_compensation,  # noqa: E402
                       manual_seed, reset_counters, set_chip, use_chip)
@@ -24,8 +23,6 @@ from .tensor import SidraTensor, unwrap, wrap  # noqa: E402
 
 register()
 DEVICE = torch.device("sidra", 0)
-
-_weights.install()
 
 __all__ = ["DEVICE", "Event", "profiler", "SidraTensor", "advance", "counters", "current_chip", "device_time",
            "drift_compensation",

@@ -16,6 +16,7 @@ What `register()` does:
   3. a fallthrough on AutocastPrivateUse1 (else every op errors under
      torch.autocast("sidra")), optionally lower-precision autocast kernels.
   4. serialization hooks (serialization.py).
+What the device installs process-wide once it is used: sidra_torch.first_use.
 """
 from __future__ import annotations
 
@@ -254,8 +255,9 @@ def register() -> None:
     alone: it would change how every CPU module converts (and fail while an
     autograd graph holds its parameters), so `.to("cpu")` makes new CPU
     parameters, as for any subclass (HF models re-tie with `tie_weights()`).
-    `torch.utils.swap_tensors` is replaced by `swap_tensors` above, which differs
-    from torch's only for a CPU tensor moving onto the device while a graph holds it.
+    At the device's first use `torch.utils.swap_tensors` is replaced by `swap_tensors` above
+    (sidra_torch.first_use), which differs from torch's only for a CPU tensor moving onto the
+    device while a graph holds it.
     """
     global _REGISTERED
     with _LOCK:
@@ -280,10 +282,7 @@ def register() -> None:
         _register_copy_kernels()
         _register_autocast()
         _register_sdpa()
-        torch.utils.swap_tensors = swap_tensors
-        from . import profiler, serialization
-
-        profiler.install()
+        from . import serialization
 
         serialization.register()
         _REGISTERED = True

@@ -8,7 +8,9 @@ Load: a `register_package` deserializer (priority 1, before torch's own
 privateuse1 one, which would try `UntypedStorage.to("sidra:0")` and segfault:
 there is no sidra allocator) keeps the bytes on CPU and marks the storage
 object; a tiny patch of `torch._utils._rebuild_tensor` wraps tensors built on
-marked storages into SidraTensors (no copy, aliasing preserved).
+marked storages into SidraTensors (no copy, aliasing preserved). The patch is made when the
+first device storage is loaded (the storages of a checkpoint load before its tensors are built),
+not on import.
 
 Effect (same as CUDA):
   torch.load(f)                       sidra-saved -> sidra, cpu-saved -> cpu
@@ -78,6 +80,7 @@ def _deserialize(storage, location):
         else:
             us = storage
         setattr(us, _MARK, location)
+        _utils._rebuild_tensor = _rebuild_tensor  # from the first device storage on (idempotent)
         return storage
     return None
 
@@ -95,5 +98,4 @@ def register():
     if _done:
         return
     _ser.register_package(1, _tag, _deserialize)
-    _utils._rebuild_tensor = _rebuild_tensor
     _done = True

@@ -20,6 +20,7 @@ import torch.compiler as _torch_compiler
 import torch.autograd.profiler as _autograd_profiler
 from torch._C import _disabled_torch_function_impl
 
+from . import first_use as _first_use
 from . import runtime as _runtime
 
 aten = torch.ops.aten
@@ -206,6 +207,8 @@ def _deepcopy(v, memo):
 
 def _wrap(inner: torch.Tensor, requires_grad: bool = False) -> SidraTensor:
     # hot path (one per op output): minimal kwargs (layout is always strided)
+    if not _first_use.installed():  # the device's first tensor in this process
+        _first_use.install()
     off = inner.storage_offset()
     if off:
         r = _make_wrapper(SidraTensor, inner.size(), strides=inner.stride(), storage_offset=off,

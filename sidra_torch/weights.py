@@ -93,13 +93,12 @@ _HOOK = None
 
 
 def install() -> None:
-    """Idempotent: name parameters and check capacity as modules run; link views and count writes."""
+    """Idempotent: the global module hooks that name parameters and check capacity as modules run
+    (installed at the device's first use: sidra_torch.first_use)."""
     global _HOOK
     if _HOOK is None:
         _HOOK = (torch.nn.modules.module.register_module_forward_pre_hook(_tag_module),
                  torch.nn.modules.module.register_module_forward_hook(_leave_module, always_call=True))
-    _t._view_tag = _view_tag
-    _t._written = _count_write
 
 
 # ---------------------------------------------------------------------------
@@ -287,3 +286,8 @@ def int8_codes(qweight) -> tuple[np.ndarray, np.ndarray]:
     if np.any(zero != 0):
         raise NotImplementedError("SIDRA's differential cells hold symmetric INT8 codes: the weight's zero point must be 0")
     return qweight.int_repr().numpy(), scale
+
+
+# Device tensors link their views to a weight and count in-place writes into it through these.
+_t._view_tag = _view_tag
+_t._written = _count_write

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +39,49 @@ def test_import_registers_the_device():
     assert torch.sidra.is_available()
     assert torch.sidra.device_count() == 1
     assert torch.get_device_module("sidra") is torch.sidra
+
+
+_PROCESS_STATE = """
+import io, json, warnings
+import torch, torch._dynamo, torch._utils, torch.utils
+import torch.autograd.profiler as ap
+def ours(fn):
+    return "sidra_torch" in fn.__code__.co_filename
+def state():
+    m = torch.nn.modules.module
+    return {"module hooks": [len(m._global_forward_pre_hooks), len(m._global_forward_hooks)],
+            "rebuild_tensor": ours(torch._utils._rebuild_tensor),
+            "swap_tensors": ours(torch.utils.swap_tensors),
+            "profiler parse": ours(ap.profile._parse_kineto_results),
+            "specialize_float": torch._dynamo.config.specialize_float,
+            "warning filters": len(warnings.filters)}
+states = [state()]
+import sidra_torch
+states.append(state())
+x = torch.ones(2, device="sidra:0")
+states.append(state())
+buf = io.BytesIO()
+torch.save(x, buf)
+buf.seek(0)
+assert torch.load(buf).device.type == "sidra"
+states.append(state())
+print(json.dumps(states))
+"""
+
+
+def test_importing_sidra_torch_changes_nothing_until_the_device_is_used():
+    """Importing only registers the device: torch's global module hooks, swap_tensors, profiler
+    parsing, tensor rebuilding, dynamo config and warning filters are as they were. The device's
+    first tensor installs the process-wide pieces sidra_torch.first_use lists; loading a device
+    checkpoint wraps the rebuild of tensors."""
+    out = subprocess.run([sys.executable, "-c", _PROCESS_STATE], capture_output=True, text=True, check=True)
+    before, imported, used, loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert imported == before
+    changed = {k for k in before if used[k] != before[k]}
+    assert changed == {"module hooks", "swap_tensors", "profiler parse"}
+    assert used["module hooks"] == [1, 1] and used["swap_tensors"] and used["profiler parse"]
+    assert loaded["rebuild_tensor"] and not used["rebuild_tensor"]
+    assert loaded["specialize_float"] == before["specialize_float"]
 
 
 def test_register_is_idempotent():
