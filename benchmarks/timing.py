@@ -30,9 +30,7 @@ def best_of_rounds(timed: dict, repeat: int, rounds: int, warmup: int = 2) -> di
 
 
 def host_kind() -> str:
-    """Which dots, engine kernels, ISPP and snapshots the simulator uses on this host (the ratios depend
-    on them)."""
+    """The backend and kernels the simulator uses on this host (the ratios depend on them)."""
     from sidra_core import host
 
-    return (f"host: {host.dots()}; engine ops by {host.engine_ops()}; ISPP by {host.programming()}; "
-            f"snapshots by {host.snapshots()}")
+    return f"host: {host.summary()}"

@@ -1,6 +1,7 @@
-"""How the simulator uses its host: the kernel cache, XLA's compile options, the allocator.
+"""How the simulator uses its host: which backend runs its kernels (chosen here alone), XLA's compile
+options, and the process settings `tune()` applies (kernel cache, allocator, inline dispatch).
 
-Set once at import; each has an environment switch for users who manage these themselves.
+Each choice has an environment switch for users who manage it themselves.
 """
 
 from __future__ import annotations
@@ -68,6 +69,37 @@ def _low_precision_dots() -> bool:
 LOW_PRECISION_DOTS: bool = _low_precision_dots()
 
 
+BACKENDS = ("native", "xla")
+
+
+def backend() -> str:
+    """The backend that runs the kernels with a native implementation (crossbar reads, the engine's
+    non-linearities, norms and attention, programming, snapshots): "native" (sidra_core.vnni's
+    library, on Linux hosts with AVX-512 VNNI and BF16) or "xla" (XLA on JAX's platform, any host).
+    Native where its library runs; SIDRA_BACKEND=native|xla chooses. Every backend gives a chip and
+    seed the same DAC and ADC codes and programmed conductances (test_core_vnni checks each kernel)."""
+    from . import vnni
+
+    forced = os.environ.get("SIDRA_BACKEND", "")
+    if forced not in ("", *BACKENDS):
+        raise ValueError(f"SIDRA_BACKEND={forced!r} is not a backend: use one of {', '.join(BACKENDS)}, or unset it "
+                         "to run natively where the host can")
+    if forced == "xla" or not vnni.available():
+        if forced == "native":
+            raise RuntimeError("SIDRA_BACKEND=native, but sidra_core.vnni's library does not run on this host (it "
+                               "needs Linux, AVX-512 VNNI and BF16, and a C++ compiler): unset SIDRA_BACKEND or "
+                               "set it to xla")
+        return "xla"
+    return "native"
+
+
+def _xla_why(switch: str) -> str:
+    """Why a job that could run natively runs on XLA."""
+    if os.environ.get("SIDRA_BACKEND") == "xla":
+        return "SIDRA_BACKEND=xla"
+    return f"{switch}=0" if os.environ.get(switch) == "0" else "the native library is not available"
+
+
 def vnni_dots() -> bool:
     """Whether a snapshot of INT8 DAC-code weights is packed for `sidra_core.vnni`'s custom call
     (the partial sums and the read-noise variances as AVX-512 VNNI dots).
@@ -76,13 +108,9 @@ def vnni_dots() -> bool:
     AMX hosts included: there XLA's int8 dot is as fast at 1024 rows, but at the few rows of eager
     inference (one sentence, a row bucket) each call costs several times the kernel's, which
     reads tiles packed once per snapshot (docs/performance.md). SIDRA_VNNI_DOTS=0 forces the
-    XLA dots (1 still needs the instructions and the build).
+    XLA dots (1 still needs the instructions and the build), as SIDRA_BACKEND=xla does.
     """
-    if os.environ.get("SIDRA_VNNI_DOTS") == "0":
-        return False
-    from sidra_core import vnni
-
-    return vnni.available()
+    return os.environ.get("SIDRA_VNNI_DOTS") != "0" and backend() == "native"
 
 
 def dots() -> str:
@@ -91,23 +119,27 @@ def dots() -> str:
     if vnni_dots():
         return "sidra_core.vnni's AVX-512 VNNI kernel" + (" (XLA's other dots: AMX int8/bf16)" if LOW_PRECISION_DOTS else "")
     if LOW_PRECISION_DOTS:
-        why = "SIDRA_VNNI_DOTS=0" if os.environ.get("SIDRA_VNNI_DOTS") == "0" else "the VNNI kernel is not available"
+        why = _xla_why("SIDRA_VNNI_DOTS").replace("native library", "VNNI kernel")
         return f"XLA's int8/bf16 dots on AMX tiles ({why})"
     return "XLA's float32 dots (the portable path)"
 
 
 def _native(switch: str) -> bool:
-    from . import vnni
-
-    return os.environ.get(switch) != "0" and vnni.available()
+    return os.environ.get(switch) != "0" and backend() == "native"
 
 
 def _where(switch: str, native: str, xla: str) -> str:
     """`native`'s or `xla`'s description of a job (sidra info, the benchmarks' headers), with why."""
     if _native(switch):
         return f"sidra_core.vnni's native library, {native}"
-    why = f"{switch}=0" if os.environ.get(switch) == "0" else "the native library is not available"
-    return f"XLA, {xla} ({why})"
+    return f"XLA, {xla} ({_xla_why(switch)})"
+
+
+def summary() -> str:
+    """The backend and where each job runs on this host (sidra info, the benchmarks' and pytest's
+    headers: ratios depend on them)."""
+    return (f"{backend()} backend: crossbar reads and engine INT8 matmuls by {dots()}; engine non-linearities "
+            f"and norms by {engine_ops()}; ISPP write-verify by {programming()}; packed snapshots by {snapshots()}")
 
 
 def native_ispp() -> bool:

@@ -64,7 +64,6 @@ def run(args) -> int:
                   f"ADC {c.adc_pj} pJ/conversion, engine {spec.engine.ops_per_s / 1e12:.1f} TOPS, "
                   f"host link {spec.memory.host_bw / 1e9:.0f} GB/s, programming pulse {c.pulse_s * 1e9:.0f} ns, "
                   f"background power {c.background_w:g} W while busy")
-    console.print(f"Host: crossbar reads and engine INT8 matmuls by {host.dots()}; engine non-linearities and "
-                  f"norms by {host.engine_ops()}; ISPP write-verify by {host.programming()}; packed snapshots "
-                  f"by {host.snapshots()}; process settings: {host.tuned()}")
+    console.print(f"Host: the {host.summary()}; SIDRA_BACKEND=native|xla chooses the backend; process settings: "
+                  f"{host.tuned()}")
     return 0

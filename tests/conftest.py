@@ -13,8 +13,8 @@ host.tune()
 
 
 def pytest_report_header(config):
-    """Which dots this run's crossbar reads use: the host's instructions choose (SIDRA_CPU_FLAGS stands in)."""
+    """Which backend and kernels this run uses: the host's instructions choose (SIDRA_CPU_FLAGS stands in)."""
     from sidra_core import host
 
     assumed = os.environ.get("SIDRA_CPU_FLAGS")
-    return f"sidra crossbar dots: {host.dots()}" + (f"; CPU flags assumed: {assumed}" if assumed is not None else "")
+    return f"sidra: {host.summary()}" + (f"; CPU flags assumed: {assumed}" if assumed is not None else "")

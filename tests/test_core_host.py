@@ -1,4 +1,5 @@
-"""sidra_core.host: top-level compile options with nested jits, and the allocator setting."""
+"""sidra_core.host: the backend choice, top-level compile options with nested jits, and the process
+settings."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from sidra_core import host
+import sidra_core as sc
+from sidra_core import host, vnni
 
 
 @host.jit
@@ -164,3 +167,64 @@ def test_tuned_says_which_settings_the_process_has():
     before, after = out.stdout.strip().splitlines()[-2:]
     assert "kernel cache off" in before and "dispatched to a worker" in before and "malloc as it was" in before
     assert "kernel cache off" not in after and "XLA programs inline" in after and "malloc kept" in after
+
+
+# ---------------------------------------------------------------------------
+# the backend: chosen in one place, shown, overridable
+
+
+def test_the_backend_is_native_where_its_library_runs(monkeypatch):
+    monkeypatch.delenv("SIDRA_BACKEND", raising=False)
+    assert host.backend() == ("native" if vnni.available() else "xla")
+    assert host.summary().startswith(f"{host.backend()} backend: ")
+
+
+def test_sidra_backend_xla_moves_every_job_to_xla(monkeypatch):
+    monkeypatch.setenv("SIDRA_BACKEND", "xla")
+    assert host.backend() == "xla"
+    assert not (host.vnni_dots() or host.native_ispp() or host.native_snapshot() or host.native_engine())
+    text = host.summary()
+    assert text.startswith("xla backend: ") and "native library" not in text and "VNNI kernel" not in text
+    if vnni.available():  # where native could run, each job says why it does not
+        assert text.count("SIDRA_BACKEND=xla") == 4
+
+
+def test_a_wrong_backend_is_refused_with_the_choices(monkeypatch):
+    monkeypatch.setenv("SIDRA_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="SIDRA_BACKEND='cuda' is not a backend: use one of native, xla"):
+        host.backend()
+    monkeypatch.setenv("SIDRA_BACKEND", "native")
+    monkeypatch.setattr(vnni, "available", lambda: False)
+    with pytest.raises(RuntimeError, match="does not run on this host.*set it to xla"):
+        host.backend()
+
+
+@pytest.mark.skipif(not vnni.available(), reason="the native backend needs Linux, AVX-512 VNNI and BF16, and a C++ "
+                                                 "compiler (sidra_core.vnni.available() is False here)")
+@pytest.mark.parametrize("preset", ["y1", "int8"])
+def test_both_backends_program_and_compute_a_chip_to_the_same_bits(preset, monkeypatch):
+    """The same chip and seed on the native and the XLA backend: the same programmed cells and the
+    same bits of a drifted read and of attention; an activation and a norm within a rounding of the
+    engine's format (XLA's own loops for them round their tails apart)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((600, 300)).astype(np.float32)
+    x = rng.standard_normal((7, 600)).astype(np.float32)
+    q, k, v = (rng.standard_normal((2, 9, 64)).astype(np.float32) for _ in range(3))
+    runs = {}
+    for backend in host.BACKENDS:
+        monkeypatch.setenv("SIDRA_BACKEND", backend)
+        chip = sc.Chip(spec=sc.preset(preset), seed=5)
+        res = chip.program(w)
+        chip.advance(100.0)
+        y = np.asarray(chip.linear(res, x))
+        runs[backend] = (res.state, y, np.asarray(chip.attention(q, k, v, scale=0.125)),
+                         np.asarray(chip.engine("gelu", y)),
+                         np.asarray(chip.engine("layer_norm", y, weight=np.ones(300, np.float32))))
+    (native, *got), (xla, *want) = runs["native"], runs["xla"]
+    for field in ("g_plus", "g_minus", "nu_plus", "nu_minus", "stuck_plus", "stuck_minus", "writes_plus",
+                  "writes_minus", "adc_full_scale"):
+        assert np.array_equal(getattr(native, field), getattr(xla, field)), field
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(got[2:], want[2:]):
+        np.testing.assert_allclose(a, b, rtol=2.0 ** -10, atol=2.0 ** -20)
