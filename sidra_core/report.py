@@ -1,8 +1,10 @@
-"""Per-op records of device work and the profiler table both bridges print.
+"""The profiler both bridges share: per-op records of device work, the table and the timeline.
 
 A bridge records one OpRecord per device op (what it was, where it ran, its
-priced Cost, host bytes moved, host simulation time); `key_averages` groups
-them by name and renders the same table from PyTorch and from JAX.
+priced Cost, host bytes moved, host simulation time) into a `Recording`;
+`key_averages` groups them by name and renders the same table from PyTorch and
+from JAX. The bridges only capture (dispatch's observer and `record_function`
+ranges; a sidra_jax call's plan).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import io
 import json
 from dataclasses import dataclass, field
 
+from . import compiles as _compiles
 from .cost import COMPONENTS, ZERO, Cost
 
 WHERE = ("crossbar", "engine", "memory", "host")
@@ -107,6 +110,40 @@ def key_averages(records, compiles=None) -> KeyAverages:
     for s in by_name.values():
         s.where = "/".join(w for w in WHERE if w in s.places) or "/".join(sorted(s.places))
     return KeyAverages(by_name.values(), total, host, compiles)
+
+
+class Recording:
+    """What a profiler keeps while it records: the device ops and user ranges it saw and the host
+    programs built meanwhile (sidra_core.compiles); the table and the timeline they make. `host_s`,
+    where set, is the host simulation time measured per call rather than per op."""
+
+    def __init__(self):
+        self.records: list[OpRecord] = []
+        self.ranges: list[OpRecord] = []
+        self.host_s: float | None = None
+        self._recording = _compiles.record()
+        self.compiles: _compiles.Compiles | None = None  # the programs the host built meanwhile
+
+    def _start(self) -> None:
+        self.compiles = self._recording.__enter__()
+
+    def _stop(self, *exc) -> None:
+        self._recording.__exit__(*exc)
+
+    def key_averages(self) -> KeyAverages:
+        """Rows per op name (and per user range or call), with `.table(sort_by=..., row_limit=...)`."""
+        ka = key_averages(self.records + self.ranges, self.compiles)
+        if self.host_s is not None:
+            ka.host_s = self.host_s
+        return ka
+
+    @property
+    def total(self) -> Cost:
+        return self.key_averages().total
+
+    def export_chrome_trace(self, path: str) -> None:
+        """A device timeline (simulated clock) in the Chrome trace format: one event per device op."""
+        write_chrome_trace(self.ranges + self.records, path)
 
 
 def _fmt_time(s: float) -> str:

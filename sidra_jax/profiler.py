@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import threading
 
-from sidra_core import compiles as _compiles
 from sidra_core.cost import Cost
-from sidra_core.report import OpRecord, key_averages, write_chrome_trace
+from sidra_core.report import OpRecord, Recording
 
 _ACTIVE: list = []
 _LOCK = threading.Lock()
@@ -28,24 +27,21 @@ def active() -> list:
     return _ACTIVE
 
 
-class profile:
+class profile(Recording):
     """Records every device op of every sidra_jax call between __enter__ and __exit__."""
 
     def __init__(self):
-        self.records: list[OpRecord] = []
-        self.ranges: list[OpRecord] = []
+        super().__init__()
         self.host_s = 0.0
-        self._recording = _compiles.record()
-        self.compiles: _compiles.Compiles | None = None  # the programs the host built meanwhile
 
     def __enter__(self):
         with _LOCK:
             _ACTIVE.append(self)
-        self.compiles = self._recording.__enter__()
+        self._start()
         return self
 
     def __exit__(self, *exc):
-        self._recording.__exit__(*exc)
+        self._stop(*exc)
         with _LOCK:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
@@ -55,17 +51,3 @@ class profile:
         self.records.extend(records)
         self.ranges.append(OpRecord(name, "user range", total, sum(r.host_bytes for r in records), host_s, start_s))
         self.host_s += host_s
-
-    def key_averages(self):
-        """Rows per op name and per function call, with `.table(sort_by=..., row_limit=...)`."""
-        ka = key_averages(self.records + self.ranges, self.compiles)
-        ka.host_s = self.host_s
-        return ka
-
-    @property
-    def total(self) -> Cost:
-        return self.key_averages().total
-
-    def export_chrome_trace(self, path: str) -> None:
-        """A device timeline (simulated clock) in the Chrome trace format: one event per device op."""
-        write_chrome_trace(self.ranges + self.records, path)

@@ -30,9 +30,8 @@ import torch.autograd.profiler as _autograd_profiler
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from sidra_core import compiles as _compiles
 from sidra_core.cost import Cost
-from sidra_core.report import OpRecord, key_averages, write_chrome_trace
+from sidra_core.report import OpRecord, Recording
 
 from . import runtime
 from . import tensor as _t
@@ -46,17 +45,14 @@ def _delta(before, after) -> tuple[Cost, dict]:
     return cost, {k: c1[k] - c0[k] for k in c1}
 
 
-class profile:
+class profile(Recording):
     """Records every device op (and user range) between __enter__ and __exit__."""
 
     def __init__(self, *, record_ranges: bool = True):
-        self.records: list[OpRecord] = []
-        self.ranges: list[OpRecord] = []
+        super().__init__()
         self._record_ranges = record_ranges
         self._stack: list = []
         self._saved = None
-        self._recording = _compiles.record()
-        self.compiles: _compiles.Compiles | None = None  # the programs the host built meanwhile
 
     # -- recording ----------------------------------------------------------
 
@@ -117,28 +113,14 @@ class profile:
 
         _autograd_profiler.record_function.__enter__ = rf_enter
         _autograd_profiler.record_function.__exit__ = rf_exit
-        self.compiles = self._recording.__enter__()
+        self._start()
         return self
 
     def __exit__(self, *exc):
-        self._recording.__exit__(*exc)
+        self._stop(*exc)
         _t.observer = None
         _autograd_profiler.record_function.__enter__, _autograd_profiler.record_function.__exit__ = self._saved
         return False
-
-    # -- results --------------------------------------------------------------
-
-    def key_averages(self):
-        """Rows per op name (and per user range), with `.table(sort_by=..., row_limit=...)`."""
-        return key_averages(self.records + self.ranges, self.compiles)
-
-    @property
-    def total(self) -> Cost:
-        return self.key_averages().total
-
-    def export_chrome_trace(self, path: str) -> None:
-        """A device timeline (simulated clock) in the Chrome trace format: one event per device op."""
-        write_chrome_trace(self.ranges + self.records, path)
 
 
 # -- PyTorch's profiler: the SIDRA activity ------------------------------------

@@ -107,3 +107,29 @@ def test_only_one_profiler_records_at_a_time():
         with pytest.raises(RuntimeError, match="already recording"):
             with sidra_torch.profiler.profile():
                 pass
+
+
+def test_both_bridges_record_into_the_one_profiler_of_sidra_core(tmp_path):
+    """sidra_torch's and sidra_jax's profilers are sidra_core.report.Recording: one table and one
+    timeline from both; sidra_jax's host time is per call (one program), torch's per op."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import sidra_core
+    import sidra_jax
+    from sidra_core.report import KeyAverages, Recording
+
+    assert issubclass(sidra_torch.profiler.profile, Recording) and issubclass(sidra_jax.profile, Recording)
+    chip = sidra_core.Chip.create("int8", seed=0)
+    params = sidra_jax.program({"w": jnp.asarray(np.ones((32, 8), np.float32))}, chip)
+    f = sidra_jax.jit(lambda p, x: jnp.tanh(x @ p["w"]))
+    with sidra_jax.profile() as jprof:
+        f(params, jnp.ones((4, 32)))
+    with sidra_torch.profiler.profile() as tprof:
+        _model()(torch.randn(4, 32).to("sidra:0"))
+    for prof in (jprof, tprof):
+        ka = prof.key_averages()
+        assert isinstance(ka, KeyAverages) and ka.total.latency_s > 0 and prof.compiles is not None
+        prof.export_chrome_trace(str(tmp_path / "trace.json"))
+        assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert jprof.key_averages().host_s == jprof.host_s > 0 and tprof.host_s is None
