@@ -287,7 +287,7 @@ class SidraFunction:
         pending, seen = [], set()
         for w in plan.wrefs:
             s = slots[w.leaf]
-            if s.fresh(w.key) is None and w.key not in s.residents and (id(s), w.key) not in seen:
+            if not s.copies.held(s.chip, w.key) and (id(s), w.key) not in seen:
                 seen.add((id(s), w.key))
                 pending.append((w.k, w.n))
         if pending:

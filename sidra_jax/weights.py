@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +28,7 @@ import numpy as np
 
 import sidra_core
 from sidra_core import Chip, conv_weight_matrix
+from sidra_core.registry import WeightCopies
 
 PARAM = "param"  # may be programmed onto crossbars
 DATA = "data"  # device memory only (inputs put on the device with device_put)
@@ -57,13 +57,6 @@ class ViewOp:
         return self._key[0]
 
 
-def _free_all(chip: Chip, residents: dict) -> None:
-    for res, _ in list(residents.values()):
-        if not res.freed:
-            chip.free(res)
-    residents.clear()
-
-
 class WeightSlot:
     """A device-resident array: name, current value and version, crossbar copies (Residents)."""
 
@@ -73,14 +66,13 @@ class WeightSlot:
         self.kind = kind
         self.value = value
         self.version = 0
-        self.residents: dict = {}  # resident key -> (Resident, version programmed)
+        self.copies = WeightCopies()  # its crossbar copies by resident key (freed with the slot)
         self._host = None  # (version, float32 numpy copy)
         self._lock = threading.RLock()
-        weakref.finalize(self, _free_all, chip, self.residents)
 
     def __repr__(self):
         return (f"WeightSlot({self.name!r}, {tuple(np.shape(self.value))}, v{self.version}, "
-                f"{len(self.residents)} on crossbars)")
+                f"{len(self.copies)} on crossbars)")
 
     def observe(self, value) -> None:
         """A concrete array arrived in this slot's position: a new one is a new version."""
@@ -124,28 +116,15 @@ class WeightSlot:
     def resident(self, key) -> sidra_core.Resident:
         """The crossbar copy for `key`, programmed (or incrementally reprogrammed) if needed."""
         with self._lock:
-            entry = self.residents.get(key)
-            if entry is not None and not entry[0].freed:
-                res, version = entry
-                if version != self.version:
-                    self.chip.reprogram(res, self.matrix(key), version=self.version)
-                    self.residents[key] = (res, self.version)
-                return res
-            res = self.chip.program(self.matrix(key), name=self.name, version=self.version)
-            self.residents[key] = (res, self.version)
-            return res
+            return self.copies.get(self.chip, key, self.version, lambda: self.matrix(key), name=self.name)[0]
 
     def fresh(self, key) -> sidra_core.Resident | None:
         """The crossbar copy for `key` if it is programmed and up to date, else None."""
-        entry = self.residents.get(key)
-        if entry is None or entry[1] != self.version or entry[0].freed:
-            return None
-        return entry[0]
+        return self.copies.fresh(self.chip, key, self.version)
 
     def free(self) -> None:
         """Release this weight's crossbar tiles."""
-        with self._lock:
-            _free_all(self.chip, self.residents)
+        self.copies.free()
 
 
 def dot_key(chain: tuple, contracting_dim: int) -> tuple:
@@ -293,5 +272,5 @@ def residents(params) -> list:
     out = []
     for w in jax.tree_util.tree_leaves(params, is_leaf=is_weight):
         if isinstance(w, Weight):
-            out += [(w.slot.name, r) for r, _ in w.slot.residents.values()]
+            out += [(w.slot.name, r) for r in w.slot.copies.residents()]
     return out

@@ -18,6 +18,7 @@ import torch
 from torch.ao.nn.quantized.dynamic import Linear as _DynamicQuantLinear
 
 from sidra_core import EnduranceWarning, from_int8
+from sidra_core.registry import WeightCopies
 
 from . import runtime
 from . import tensor as _t
@@ -135,38 +136,22 @@ def _check_fits(module) -> None:
 
 def programmed_on(base, chip) -> bool:
     """Does the chip hold a programmed copy (any view) of this weight?"""
-    return any(k[0] == id(chip) for k in base.__dict__.get(_TABLE, ()))
+    copies = base.__dict__.get(_TABLE)
+    return copies is not None and copies.on(chip)
 
 
 # ---------------------------------------------------------------------------
-# Programmed state per (chip, weight view).
+# Programmed state per (chip, weight view): sidra_core's registry, kept in the weight's __dict__ (not
+# a weakref on the tensor: `Module.to` swaps parameters with `torch.utils.swap_tensors`, which refuses
+# tensors that have weakrefs). The tiles are freed when the weight dies.
 
 _TABLE = "_sidra_residents"
 
 
-class _Residents(dict):
-    """(chip id, view key) -> (Resident, version, chip) for one weight, kept in the weight's __dict__.
-
-    Not a weakref on the tensor: `Module.to` swaps parameters with
-    `torch.utils.swap_tensors`, which refuses tensors that have weakrefs. The
-    tiles are freed when this table dies with its weight.
-    """
-
-    def __del__(self):
-        for res, _, chip in self.values():
-            chip.free(res)
-
-    def __deepcopy__(self, memo):
-        return _Residents()  # a copy of a weight is a new weight: not programmed yet
-
-    def __reduce__(self):
-        return (_Residents, ())
-
-
-def _table(base) -> _Residents:
+def _table(base) -> WeightCopies:
     table = base.__dict__.get(_TABLE)
     if table is None:
-        table = base.__dict__[_TABLE] = _Residents()
+        table = base.__dict__[_TABLE] = WeightCopies()
     return table
 
 
@@ -199,20 +184,13 @@ def matrix(view, transpose: bool) -> np.ndarray:
 def resident(chip, view, transpose: bool = False, matrix_fn=matrix):
     """The chip's programmed copy of a weight view, programmed or reprogrammed as needed."""
     base = weight_base(view)
-    table = _table(base)
     inner = view._inner
-    key = (id(chip), (inner.storage_offset() - base._inner.storage_offset(), tuple(inner.shape), inner.stride(), transpose))
-    version = _version(base)
-    entry = table.get(key)
-    if entry is None:
-        res = chip.program(matrix_fn(view, transpose), name=weight_name(base), version=version)
-        table[key] = (res, version, chip)
+    key = (inner.storage_offset() - base._inner.storage_offset(), tuple(inner.shape), inner.stride(), transpose)
+    res, done = _table(base).get(chip, key, _version(base), lambda: matrix_fn(view, transpose),
+                                 name=weight_name(base))
+    if done == "programmed":
         runtime.notify_programmed(res)
-        return res
-    res = entry[0]
-    if entry[1] != version:
-        chip.reprogram(res, matrix_fn(view, transpose), version=version)
-        table[key] = (res, version, chip)
+    elif done == "reprogrammed":
         _note_reprogram(chip, res)
     return res
 
@@ -243,7 +221,8 @@ def _note_reprogram(chip, res) -> None:
 
 def residents_of(base) -> list:
     """Every programmed copy of a weight (one per chip and view)."""
-    return [e[0] for e in base.__dict__.get(_TABLE, {}).values()]
+    copies = base.__dict__.get(_TABLE)
+    return [] if copies is None else copies.residents()
 
 
 # ---------------------------------------------------------------------------
@@ -261,15 +240,16 @@ def quantised_resident(chip, packed):
     if module is None:
         return None
     qweight, bias = torch.ops.quantized.linear_unpack(packed)
-    table = _table(module)
-    entry = table.get(id(chip))
-    if entry is None:
+
+    def contents():
         codes, scale = int8_codes(qweight)
-        name = module.__dict__.get(_NAME, "quantized.Linear")
-        res = chip.program(quantised=from_int8(np.ascontiguousarray(codes.T), scale), name=name)
-        entry = table[id(chip)] = (res, None, chip)
+        return from_int8(np.ascontiguousarray(codes.T), scale)
+
+    res, done = _table(module).get(chip, "quantised", None, contents,
+                                   name=module.__dict__.get(_NAME, "quantized.Linear"))
+    if done == "programmed":
         runtime.notify_programmed(res)
-    return entry[0], bias
+    return res, bias
 
 
 def int8_codes(qweight) -> tuple[np.ndarray, np.ndarray]:
