@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from sidra_core import ops
+from sidra_core import ops, placement
 from sidra_core.cost import ZERO, Cost
 from sidra_core.spec import ChipSpec
 
@@ -158,7 +158,8 @@ def _nbytes(aval) -> int:
 
 
 def _is_float(aval) -> bool:
-    return hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.floating)
+    """A float array the chip computes in (float64, with JAX's x64 on, goes to the host)."""
+    return getattr(getattr(aval, "dtype", None), "name", None) in placement.CHIP_FLOATS
 
 
 class _Builder:
@@ -317,10 +318,8 @@ class _Builder:
         wl, wr = self._weight(ins[0]), self._weight(ins[1])
         out_aval = eqn.outvars[0].aval
         side = None
-        if wr is not None and wl is None:
-            side = 1
-        elif wl is not None and wr is None:
-            side = 0
+        if placement.matmul(wl is not None, wr is not None) == "crossbar":
+            side = 1 if wr is not None else 0
         if side is not None:
             w_aval, x_aval = (ra, la) if side == 1 else (la, ra)
             wc, xc = (rc, lc) if side == 1 else (lc, rc)
@@ -351,7 +350,7 @@ class _Builder:
                                       {"side": side, "xc": tuple(int(d) for d in xc), "wref": wref,
                                        "feature_axis": None, "n": n,
                                        "w_free": tuple(int(w_aval.shape[d]) for d in free)}, rows, k, n)
-        # activation x activation (or weight x weight): the engine's INT8 MACs
+        # activation x activation, weight x weight, or a weight the crossbar cannot take: the engine
         if not (_is_float(la) and _is_float(ra)):
             numel = max(_numel(out_aval), _numel(la), _numel(ra))
             return self._emit("elementwise", "sidra::dot_general", eqn, ins, ops.elementwise(numel, self.spec))

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sidra_core import conv_weight_matrix, engine, ops
+from sidra_core import conv_weight_matrix, engine, ops, placement
 from sidra_core.engine import STORAGE
 
 from . import rnn, runtime, transformer
@@ -38,7 +38,7 @@ from .weights import resident, weight_base
 
 aten = torch.ops.aten
 
-CHIP_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+CHIP_FLOATS = tuple(getattr(torch, name) for name in placement.CHIP_FLOATS)
 _warned_dtypes: set = set()
 
 
@@ -174,27 +174,33 @@ def _engine_matmul(a: torch.Tensor, b: torch.Tensor):
     return _to_torch(chip.matmul(_to_jax(a), _to_jax(b)), a.dtype)
 
 
+def _weights(a, b) -> tuple[bool, bool, str]:
+    """Which operands of a @ b are weights, and the product's unit (sidra_core.placement)."""
+    wa, wb = weight_base(a) is not None, weight_base(b) is not None
+    return wa, wb, placement.matmul(wa, wb)
+
+
 def mm(func, args, uargs, ukwargs):
     a, b = args[0], args[1]
-    wa, wb = weight_base(a), weight_base(b)
-    if wb is not None and wa is None:
-        return _linear(uargs[0], b, False, None)
-    if wa is not None and wb is None:  # W @ x = (x^T @ W^T)^T
-        return _linear(uargs[1].t(), a, True, None, left=True).t()
-    if wa is None and wb is None:
+    _, wb, unit = _weights(a, b)
+    if unit == "engine":
         return _engine_matmul(uargs[0], uargs[1])
-    return host(func, args, uargs, ukwargs)
+    if wb:
+        return _linear(uargs[0], b, False, None)
+    return _linear(uargs[1].t(), a, True, None, left=True).t()  # W @ x = (x^T @ W^T)^T
 
 
 def addmm(func, args, uargs, ukwargs):
     a, b = args[1], args[2]
-    beta, alpha = ukwargs.get("beta", 1), ukwargs.get("alpha", 1)
-    if beta == 1 and alpha == 1 and weight_base(b) is not None and weight_base(a) is None:
-        return _linear(uargs[1], b, False, uargs[0])
-    if beta == 1 and alpha == 1 and weight_base(a) is None and weight_base(b) is None:
+    _, wb, unit = _weights(a, b)
+    if ukwargs.get("beta", 1) != 1 or ukwargs.get("alpha", 1) != 1:
+        return host(func, args, uargs, ukwargs)
+    if unit == "engine":
         out = _engine_matmul(uargs[1], uargs[2])
         return _elementwise_finish(out + uargs[0], out.numel())
-    return host(func, args, uargs, ukwargs)
+    if wb:
+        return _linear(uargs[1], b, False, uargs[0])
+    return host(func, args, uargs, ukwargs)  # W @ x + bias
 
 
 def bmm(func, args, uargs, ukwargs):
@@ -212,20 +218,24 @@ def linear(func, args, uargs, ukwargs):
     """aten.linear arrives whole under inference_mode: weight (N, K), so the crossbar holds W^T."""
     w = args[1]
     bias = uargs[2] if len(uargs) > 2 else ukwargs.get("bias")
-    if weight_base(w) is None:
+    _, ww, unit = _weights(args[0], w)
+    if unit == "engine":
         out = _engine_matmul(uargs[0], uargs[1].t())
         return out if bias is None else _elementwise_finish(out + bias, out.numel())
-    return _linear(uargs[0], w, True, bias)
+    if ww:
+        return _linear(uargs[0], w, True, bias)
+    return host(func, args, uargs, ukwargs)  # a weight times an activation's transpose
 
 
 def matmul(func, args, uargs, ukwargs):
     """aten.matmul arrives whole under inference_mode."""
     a, b = args[0], args[1]
-    if weight_base(b) is not None and weight_base(a) is None and b.dim() == 2:
+    wa, wb, unit = _weights(a, b)
+    if unit == "crossbar" and wb and b.dim() == 2:
         return _linear(uargs[0], b, False, None)
-    if weight_base(a) is not None and weight_base(b) is None and a.dim() == 2 and b.dim() == 2:
+    if unit == "crossbar" and wa and a.dim() == 2 and b.dim() == 2:
         return _linear(uargs[1].t(), a, True, None, left=True).t()  # W @ x = (x^T @ W^T)^T
-    if weight_base(a) is None and weight_base(b) is None and a.dim() >= 2 and b.dim() >= 2:
+    if unit == "engine" and a.dim() >= 2 and b.dim() >= 2:
         return _engine_matmul(uargs[0], uargs[1])
     return host(func, args, uargs, ukwargs)
 
@@ -715,7 +725,7 @@ MEMORY = _ops(
     "new_full", "new_empty", "new_empty_strided", "empty.memory_format", "empty_strided", "contiguous", "repeat", "flip", "roll", "constant_pad_nd", "scatter.src", "scatter.value",
     "index_put_", "index_put", "_index_put_impl_", "slice_scatter", "select_scatter", "masked_select",
     "nonzero", "arange.start_step", "arange.default", "arange.start", "expand_copy", "_to_copy",
-    "lift_fresh", "alias", "detach", "split_with_sizes_copy", "embedding_dense_backward",
+    "lift_fresh", "lift_fresh_copy", "alias", "detach", "split_with_sizes_copy", "embedding_dense_backward",
     "tril_indices", "triu_indices", "scalar_tensor", "full", "zeros", "ones",
 )
 

@@ -128,3 +128,58 @@ def test_chip_charges_the_op_layers_price():
     for name, value in price.counts.items():
         assert getattr(after, name) - getattr(before, name) == value
     assert after.engine_ops == before.engine_ops
+
+
+# ---------------------------------------------------------------------------
+# placement: one rule for the three frontends
+
+
+def test_a_matmul_with_one_weight_goes_to_the_crossbars_else_to_the_engine():
+    from sidra_core import placement
+
+    assert placement.matmul(False, True) == placement.matmul(True, False) == "crossbar"
+    assert placement.matmul(False, False) == placement.matmul(True, True) == "engine"
+
+
+def test_the_three_frontends_place_by_sidra_core_placement():
+    for path in ("sidra_torch/dispatch.py", "sidra_torch/compiler/passes.py", "sidra_jax/plan.py"):
+        tree = ast.parse((ROOT / path).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "sidra_core"
+                    for a in n.names}
+        calls = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                 and n.value.id == "placement"}
+        assert "placement" in imported and "matmul" in calls, path
+
+
+def test_a_product_of_two_weights_runs_on_the_engine_in_every_frontend():
+    """weight @ weight: the engine's MACs from eager PyTorch, torch.compile and sidra_jax alike."""
+    import jax.numpy as jnp
+    import torch
+
+    import sidra_jax
+    import sidra_torch
+
+    a, b = np.random.default_rng(0).standard_normal((2, 16, 16)).astype(np.float32)
+
+    class Product(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Parameter(torch.from_numpy(a)), torch.nn.Parameter(torch.from_numpy(b))
+
+        def forward(self, x):
+            return x + torch.mm(self.a, self.b)
+
+    m = Product().to("sidra:0")
+    x = torch.zeros(16, 16).to("sidra:0")
+    for run in (m, torch.compile(m, backend="sidra")):
+        with torch.no_grad():
+            run(x)  # a compiled graph's first call builds it
+            before = sidra_torch.counters()
+            run(x)
+            after = sidra_torch.counters()
+        assert after["mvms"] == before["mvms"] and after["fallback_ops"] == before["fallback_ops"]
+        assert after["engine_ops"] >= before["engine_ops"] + 2  # the product and the add
+    chip = sc.Chip.create("int8", seed=0)
+    params = sidra_jax.program({"a": jnp.asarray(a), "b": jnp.asarray(b)}, chip)
+    rep = sidra_jax.jit(lambda p: p["a"] @ p["b"]).report(params)
+    assert rep.counts.get("mvms", 0) == 0 and rep.counts.get("engine_ops") == 1 and not rep.counts.get("fallback_ops")

@@ -384,3 +384,23 @@ def test_compiled_program_runs_on_one_torch_thread(int8, monkeypatch):
         assert max_abs_diff(y, ref) <= TOL["int8"]
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_compiler_places_every_op_where_eager_dispatch_does():
+    """torch.compile's lowering table puts each aten op on the unit eager dispatch runs it on (ops
+    eager never receives on the device excepted: the CPU kernels a graph can hold, Python's getitem)."""
+    from sidra_torch import dispatch
+    from sidra_torch.compiler import lowering
+
+    units = {"crossbar": "crossbar", "engine": "engine", "elementwise": "engine", "memory": "memory", "free": None}
+    only_compiled = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    apart = []
+    for op, low in lowering.TABLE.items():
+        if low.kind == "matmul" or not isinstance(op, torch._ops.OpOverload) or op in only_compiled:
+            continue  # matmuls: by their operands (sidra_core.placement)
+        runner = dispatch.runner_for(op, op.is_view or torch.Tag.inplace_view in op.tags)
+        eager = None if runner is None else runner.where
+        if eager != units[low.kind]:
+            apart.append((str(op), eager, low.kind))
+    assert not apart
+    assert len(lowering.TABLE) > 100  # the scan sees the table

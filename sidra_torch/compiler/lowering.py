@@ -162,7 +162,7 @@ def _unbind(ctx, node, x, dim=0):
     return tuple(jnp.moveaxis(x, dim, 0))
 
 
-@_reg([aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default], "free")
+@_reg([aten.alias.default, aten.detach.default], "free")
 def _alias(ctx, node, x):
     return x
 
@@ -202,7 +202,7 @@ def _stack(ctx, node, tensors, dim=0):
     return jnp.stack(tensors, axis=dim)
 
 
-@_reg([aten.clone.default, aten._to_copy.default], "memory")
+@_reg([aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default], "memory")
 def _copy(ctx, node, x, **_):
     return _cast(x, node)
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from sidra_core import graph_cost, ops, tile_grid
+from sidra_core import graph_cost, ops, placement, tile_grid
 from sidra_core.cost import ZERO, Cost
 from sidra_core.graph_cost import Stage
 
@@ -115,23 +115,19 @@ def _place_matmul(n) -> str:
             return "eager"
         n.meta["sidra_crossbar"] = CrossbarUse(w[0], w[1], False, groups=int(n.args[8]), arg=1)
         return "crossbar"
-    if t is aten.mm.default:
-        wa, wb = _weight_of(n.args[0]), _weight_of(n.args[1])
-        if wb is not None and wa is None:
-            n.meta["sidra_crossbar"] = CrossbarUse(wb[0], wb[1], False, arg=1)
-            return "crossbar"
-        if wa is not None and wb is None:
-            n.meta["sidra_crossbar"] = CrossbarUse(wa[0], wa[1], True, arg=0)
-            return "crossbar"
-        return "engine" if wa is None and wb is None else "eager"
-    # addmm(bias, a, b, beta=1, alpha=1)
-    if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+    first = 0 if t is aten.mm.default else 1  # mm(a, b); addmm(bias, a, b, beta=1, alpha=1)
+    if first and (n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1):
         return "eager"
-    wa, wb = _weight_of(n.args[1]), _weight_of(n.args[2])
-    if wb is not None and wa is None:
-        n.meta["sidra_crossbar"] = CrossbarUse(wb[0], wb[1], False, arg=2)
+    wa, wb = _weight_of(n.args[first]), _weight_of(n.args[first + 1])
+    if placement.matmul(wa is not None, wb is not None) == "engine":
+        return "engine"
+    if wb is not None:
+        n.meta["sidra_crossbar"] = CrossbarUse(wb[0], wb[1], False, arg=first + 1)
         return "crossbar"
-    return "engine" if wa is None and wb is None else "eager"
+    if first:  # W @ x + bias: eager dispatch's host
+        return "eager"
+    n.meta["sidra_crossbar"] = CrossbarUse(wa[0], wa[1], True, arg=0)
+    return "crossbar"
 
 
 # ---------------------------------------------------------------------------
