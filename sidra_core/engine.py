@@ -40,6 +40,17 @@ def round_to(x, precision: str):
     return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(dt).astype(jnp.float32)
 
 
+def store(y, precision: str):
+    """An engine result as the engine stores it, in its own dtype: a float passes through the
+    engine's format (round_to, saturating) unless that format is float32 or the result's own;
+    integers and booleans are stored as they are. The one rule of the frontends' element-wise
+    results (eager PyTorch rounds its torch tensors the same way, held to this by a test)."""
+    dt = jnp.result_type(y)
+    if not jnp.issubdtype(dt, jnp.floating) or _DTYPES[precision] in (jnp.float32, dt):
+        return y
+    return round_to(y, precision).astype(dt)
+
+
 def _round(x, precision: str):
     dt = _DTYPES[precision]
     return x.astype(jnp.float32) if dt == jnp.float32 else x.astype(dt).astype(jnp.float32)

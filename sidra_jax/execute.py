@@ -10,6 +10,8 @@ a crossbar MVM that is d/dx = g W^T and d/dW = x^T g of y = x @ W.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,17 +79,11 @@ def _cast(y, aval):
     return y if y.dtype == aval.dtype else y.astype(aval.dtype)
 
 
-def _round_to(precision: str):
-    """The engine's storage rounding for element-wise results (sidra_core.engine's format table)."""
+def _storage(precision: str):
+    """The engine's storage of element-wise results (sidra_core.engine.store); None at float32."""
     if engine.STORAGE[precision] == "float32":
         return None
-
-    def rnd(y):
-        if not jnp.issubdtype(y.dtype, jnp.floating):
-            return y
-        return engine.round_to(y, precision).astype(y.dtype)
-
-    return rnd
+    return partial(engine.store, precision=precision)
 
 
 def _canonical_matmul(a, b, dims):
@@ -110,7 +106,7 @@ class _Runner:
         self.plan = plan
         self.spec = spec
         self.precision = spec.engine.precision
-        self.round = _round_to(self.precision)
+        self.round = _storage(self.precision)
         self.mvm_kw = crossbar.mvm_kwargs(spec)
 
     def __call__(self, snaps, seeds, leaves, consts):

@@ -331,8 +331,8 @@ def _round_engine(t: torch.Tensor) -> torch.Tensor:
         return t
     r = t.to(dt)
     if not math.isfinite(r.sum(dtype=torch.float32).item()):  # an overflow, or a real inf / NaN (one cheap check)
-        big = torch.finfo(dt).max
-        r = torch.where(t.isfinite(), t.clamp(-big, big).to(dt), r)
+        big = torch.finfo(dt).max  # clamped in float32, which holds every format's largest value exactly
+        r = torch.where(t.isfinite(), t.float().clamp(-big, big).to(dt), r)
     return r.to(t.dtype)
 
 

@@ -183,3 +183,43 @@ def test_a_product_of_two_weights_runs_on_the_engine_in_every_frontend():
     params = sidra_jax.program({"a": jnp.asarray(a), "b": jnp.asarray(b)}, chip)
     rep = sidra_jax.jit(lambda p: p["a"] @ p["b"]).report(params)
     assert rep.counts.get("mvms", 0) == 0 and rep.counts.get("engine_ops") == 1 and not rep.counts.get("fallback_ops")
+
+
+# ---------------------------------------------------------------------------
+# the engine's storage rounding: one rule
+
+
+def test_the_frontends_round_engine_results_by_sidra_core_engine_store():
+    """No frontend calls the engine's format conversion itself: compiled graphs and sidra_jax go
+    through engine.store; eager PyTorch's torch twin is checked against it below."""
+    for package in ("sidra_torch", "sidra_jax"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            assert "round_to(" not in text, path
+    assert "engine.store(" in (ROOT / "sidra_torch/compiler/lowering.py").read_text()
+    assert "engine.store" in (ROOT / "sidra_jax/execute.py").read_text()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_eager_torch_rounds_engine_results_as_engine_store(precision, dtype):
+    """dispatch._round_engine (torch ops, on eager's hot path) gives engine.store's bits: overflow
+    saturates, inf and NaN pass, subnormals and ties round alike."""
+    import jax.numpy as jnp
+    import torch
+
+    import sidra_torch
+    from sidra_core import engine
+    from sidra_torch import dispatch
+
+    rng = np.random.default_rng(0)
+    # float32's own subnormals (below 1.2e-38) excepted: XLA:CPU flushes them to zero, torch keeps
+    # them (a bf16 engine stores them in its subnormal range)
+    x = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.integers(-9, 7, 4000),
+                        [np.inf, -np.inf, np.nan, 7e4, -7e4, 6.6e5, 3e38, 6e-8, -6e-8, 0.0, -0.0]]).astype(np.float32)
+    t = torch.from_numpy(x).to(getattr(torch, dtype))
+    with sidra_torch.use_chip(sc.preset("int8").replace(name=f"round-{precision}", engine__precision=precision)):
+        got = dispatch._round_engine(t).to(torch.float32).numpy()
+    want = np.asarray(engine.store(jnp.asarray(t.to(torch.float32).numpy()).astype(dtype), precision)
+                      .astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)

@@ -26,7 +26,6 @@ import torch
 from sidra_core import crossbar, engine
 from sidra_core.conv import conv as conv_kernel
 from sidra_core.conv import conv_args
-from sidra_core.engine import STORAGE
 
 aten = torch.ops.aten
 
@@ -73,14 +72,9 @@ def _cast(y, node):
 
 
 def _round_engine(y, node, precision: str):
-    """Eager's `_round_engine`: float results pass through the engine's storage format."""
-    dt = out_dtype(node)
-    storage = getattr(torch, STORAGE[precision])
-    if dt is None or not dt.is_floating_point:
-        return _cast(y, node)
-    if storage == torch.float32 or dt == storage:
-        return y.astype(jnp_dtype(dt))
-    return engine.round_to(y, precision).astype(jnp_dtype(dt))
+    """The node's result in its dtype, as the engine stores it (sidra_core.engine.store); a tuple
+    result (values and indices) as it is, as eager dispatch leaves it."""
+    return y if out_dtype(node) is None else engine.store(_cast(y, node), precision)
 
 
 def _f32(x):
