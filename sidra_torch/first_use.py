@@ -11,8 +11,8 @@ leaves everything else as torch does it (the README lists them with their reason
 - torch.profiler's result parsing (profiler.install): the device's ops as device events.
 
 Loading a checkpoint saved from the device wraps `torch._utils._rebuild_tensor` at its first
-device storage (serialization.py); torch.compile(backend="sidra") sets dynamo's `specialize_float`
-when the backend is first looked up (compiler/__init__.py).
+device storage (serialization.py); torch.compile(backend="sidra") filters torch's warning about
+the module hooks when the backend is first looked up (compiler/__init__.py).
 """
 
 from __future__ import annotations

@@ -65,6 +65,9 @@ torch.save(x, buf)
 buf.seek(0)
 assert torch.load(buf).device.type == "sidra"
 states.append(state())
+with torch.no_grad():
+    torch.compile(torch.nn.Linear(2, 2).to("sidra:0"), backend="sidra")(x)
+states.append(state())
 print(json.dumps(states))
 """
 
@@ -73,15 +76,17 @@ def test_importing_sidra_torch_changes_nothing_until_the_device_is_used():
     """Importing only registers the device: torch's global module hooks, swap_tensors, profiler
     parsing, tensor rebuilding, dynamo config and warning filters are as they were. The device's
     first tensor installs the process-wide pieces sidra_torch.first_use lists; loading a device
-    checkpoint wraps the rebuild of tensors."""
+    checkpoint wraps the rebuild of tensors; compiling for the device adds one warning filter and
+    leaves dynamo's config alone."""
     out = subprocess.run([sys.executable, "-c", _PROCESS_STATE], capture_output=True, text=True, check=True)
-    before, imported, used, loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    before, imported, used, loaded, compiled = json.loads(out.stdout.strip().splitlines()[-1])
     assert imported == before
     changed = {k for k in before if used[k] != before[k]}
     assert changed == {"module hooks", "swap_tensors", "profiler parse"}
     assert used["module hooks"] == [1, 1] and used["swap_tensors"] and used["profiler parse"]
     assert loaded["rebuild_tensor"] and not used["rebuild_tensor"]
-    assert loaded["specialize_float"] == before["specialize_float"]
+    assert {k for k in loaded if compiled[k] != loaded[k]} == {"warning filters"}
+    assert compiled["warning filters"] == loaded["warning filters"] + 1
 
 
 def test_register_is_idempotent():

@@ -61,11 +61,6 @@ def _skip_device_frames() -> None:
 
 _skip_device_frames()
 
-# A plan specialises the Python floats a model reads (HF attention's `scaling`, norms' eps): with
-# dynamo's default they would reach the backend as data-dependent tensor inputs (`.item()` in the
-# graph) that a plan cannot be specialised on.
-torch._dynamo.config.specialize_float = True
-
 # sidra_torch's global module hooks (naming weights, the capacity check) return at once while
 # dynamo traces and are harmless on the OptimizedModule wrapper: torch's warning about them is noise.
 warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
