@@ -93,11 +93,11 @@ def backend() -> str:
     return "native"
 
 
-def _xla_why(switch: str) -> str:
-    """Why a job that could run natively runs on XLA."""
+def _xla_why(switch: str, native: str = "the native library") -> str:
+    """Why a job that could run natively (in `native`) runs on XLA."""
     if os.environ.get("SIDRA_BACKEND") == "xla":
         return "SIDRA_BACKEND=xla"
-    return f"{switch}=0" if os.environ.get(switch) == "0" else "the native library is not available"
+    return f"{switch}=0" if os.environ.get(switch) == "0" else f"{native} is not available"
 
 
 def vnni_dots() -> bool:
@@ -119,7 +119,7 @@ def dots() -> str:
     if vnni_dots():
         return "sidra_core.vnni's AVX-512 VNNI kernel" + (" (XLA's other dots: AMX int8/bf16)" if LOW_PRECISION_DOTS else "")
     if LOW_PRECISION_DOTS:
-        why = _xla_why("SIDRA_VNNI_DOTS").replace("native library", "VNNI kernel")
+        why = _xla_why("SIDRA_VNNI_DOTS", "the VNNI kernel")
         return f"XLA's int8/bf16 dots on AMX tiles ({why})"
     return "XLA's float32 dots (the portable path)"
 

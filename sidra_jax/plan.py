@@ -131,19 +131,18 @@ class Transfer:
     """A host-link transfer of one input or output array (when the call charges them)."""
 
     name: str
-    nbytes: int
-    spec: ChipSpec
+    price: ops.Price  # ops.host_transfer of the array's bytes
     where: str = "host"
     wref: None = None
     seed: None = None
 
     @property
     def cost(self) -> Cost:
-        return ops.host_transfer(self.nbytes, self.spec).cost
+        return self.price.cost
 
     @property
-    def counts(self) -> dict:
-        return dict(ops.host_transfer(self.nbytes, self.spec).counts)
+    def counts(self):
+        return self.price.counts
 
 
 def _numel(aval) -> int:
@@ -544,12 +543,12 @@ def build(closed, spec: ChipSpec, leaf_is_weight: list[bool], leaf_resident: lis
         for i, v in enumerate(closed.jaxpr.invars):
             if not leaf_resident[i]:
                 nb = _nbytes(v.aval)
-                steps.append(Transfer("sidra::host_to_device", nb, spec))
+                steps.append(Transfer("sidra::host_to_device", ops.host_transfer(nb, spec)))
     steps += [i for i in b.instrs if i.where is not None]
     if transfers:
         for r in out_refs:
             nb = _nbytes(b.aval(r))
-            steps.append(Transfer("sidra::device_to_host", nb, spec))
+            steps.append(Transfer("sidra::device_to_host", ops.host_transfer(nb, spec)))
     total = ZERO
     counts: dict = {}
     for s in steps:

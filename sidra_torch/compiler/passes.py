@@ -21,7 +21,6 @@ import torch.fx as fx
 
 from sidra_core import graph_cost, ops, placement, tile_grid
 from sidra_core.cost import ZERO, Cost
-from sidra_core.graph_cost import Stage
 
 from ..dispatch import CHIP_FLOATS, nbytes
 from .lowering import TABLE
@@ -336,18 +335,6 @@ class OpPrice:
     name: str
     price: ops.Price
 
-    @property
-    def where(self) -> str:
-        return self.price.where
-
-    @property
-    def stage(self) -> Stage:
-        return self.price.stage
-
-    @property
-    def counts(self):
-        return self.price.counts
-
 
 def _rows(v) -> int:
     if not isinstance(v, torch.Tensor) or v.dim() == 0:
@@ -409,14 +396,14 @@ def total(prices: list[OpPrice]) -> tuple[Cost, dict]:
     """The graph's cost (pipelined latency, summed energy) and its counters."""
     counts: dict = {}
     for p in prices:
-        for k, v in p.counts.items():
+        for k, v in p.price.counts.items():
             counts[k] = counts.get(k, 0) + v
-    return (graph_cost.graph_cost([p.stage for p in prices]) if prices else ZERO), counts
+    return (graph_cost.graph_cost([p.price.stage for p in prices]) if prices else ZERO), counts
 
 
 def eager_latency(prices: list[OpPrice]) -> float:
     """What the same device ops would take one after another (eager order, no pipelining)."""
-    return sum(p.stage.cost.latency_s for p in prices)
+    return sum(p.price.cost.latency_s for p in prices)
 
 
 # ---------------------------------------------------------------------------

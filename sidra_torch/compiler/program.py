@@ -211,10 +211,10 @@ class Plan:
         watts = runtime.current_chip().clock.background_w
         t = start
         for p in self.prices:
-            c = p.stage.cost
+            c = p.price.cost
             share = c.latency_s / eager
             c = type(c)(c.latency_s * k, *c.energies).with_background(watts)
-            prof.records.append(OpRecord(p.name, p.where, c, 0, host_s * share, t))
+            prof.records.append(OpRecord(p.name, p.price.where, c, 0, host_s * share, t))
             t += c.latency_s
 
 
