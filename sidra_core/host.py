@@ -118,10 +118,10 @@ def dots() -> str:
     benchmarks' headers, the pytest header)."""
     if vnni_dots():
         return "sidra_core.vnni's AVX-512 VNNI kernel" + (" (XLA's other dots: AMX int8/bf16)" if LOW_PRECISION_DOTS else "")
+    why = _xla_why("SIDRA_VNNI_DOTS", "the VNNI kernel")
     if LOW_PRECISION_DOTS:
-        why = _xla_why("SIDRA_VNNI_DOTS", "the VNNI kernel")
         return f"XLA's int8/bf16 dots on AMX tiles ({why})"
-    return "XLA's float32 dots (the portable path)"
+    return f"XLA's float32 dots (the portable path: {why})"
 
 
 def _native(switch: str) -> bool:

@@ -286,10 +286,12 @@ def test_dots_names_the_kernels_that_run_here(monkeypatch):
         assert host.dots().startswith("sidra_core.vnni's AVX-512 VNNI kernel") and ("AMX" in host.dots()) == amx
         monkeypatch.setattr(host, "vnni_dots", lambda: False)
         monkeypatch.setenv("SIDRA_VNNI_DOTS", "0")
-        want = "XLA's int8/bf16 dots on AMX tiles (SIDRA_VNNI_DOTS=0)" if amx else "XLA's float32 dots (the portable path)"
+        want = ("XLA's int8/bf16 dots on AMX tiles (SIDRA_VNNI_DOTS=0)" if amx
+                else "XLA's float32 dots (the portable path: SIDRA_VNNI_DOTS=0)")
         assert host.dots() == want
-    monkeypatch.setattr(host, "LOW_PRECISION_DOTS", True)
     monkeypatch.delenv("SIDRA_VNNI_DOTS")
+    assert host.dots() == "XLA's float32 dots (the portable path: the VNNI kernel is not available)"
+    monkeypatch.setattr(host, "LOW_PRECISION_DOTS", True)
     assert host.dots() == "XLA's int8/bf16 dots on AMX tiles (the VNNI kernel is not available)"
 
 
