@@ -40,16 +40,21 @@ def engine_call(op: str, args, kw: dict, precision: str, matmul: str = "fp32"):
     """Run engine op `op` on `args` (as the marked function passes them) at `precision`, its
     activation matmuls in `matmul` mode (sidra_core.spec.EngineSpec.matmul)."""
     if op == "attention":
-        return engine.attention(*args, scale=kw["scale"], precision=precision, mode=matmul, layout="bshd")
+        q, k, v, *mask = args
+        return engine.attention(q, k, v, mask[0] if mask else None, scale=kw["scale"], causal=kw.get("causal", False),
+                                precision=precision, mode=matmul, layout=kw.get("layout", "bshd"))
     if op in UNARY:
         return engine.ELEMENTWISE[op](args[0], precision=precision)
-    if op in ("softmax", "log_softmax"):
-        return getattr(engine, op)(args[0], axis=kw["axis"], precision=precision)
+    if op == "softmax":
+        return engine.softmax(args[0], axis=kw["axis"], precision=precision, safe=kw.get("safe", False))
+    if op == "log_softmax":
+        return engine.log_softmax(args[0], axis=kw["axis"], precision=precision)
     if op == "layer_norm":
         x, rest = args[0], list(args[1:])
         w = rest.pop(0) if kw["has_weight"] else None
         b = rest.pop(0) if kw["has_bias"] else None
-        return engine.layer_norm(x, w, b, eps=kw["eps"], ndim=kw["ndim"], precision=precision)
+        return engine.layer_norm(x, w, b, eps=kw["eps"], ndim=kw["ndim"], precision=precision,
+                                 stats=kw.get("stats", False))
     if op == "rms_norm":
         w = args[1] if kw["has_weight"] else None
         return engine.rms_norm(args[0], w, eps=kw["eps"], ndim=kw["ndim"], precision=precision)
@@ -79,6 +84,23 @@ def _marked(op: str, **kw):
     return fn
 
 
+def device_op(kind: str, name: str, f, *arrays):
+    """`f(*arrays)` (plain JAX; anything else it needs closed over) as ONE device op named `name`:
+    `kind` "elementwise" runs on the engine's vector unit, its float results stored once in the
+    engine's format; "memory" moves data in device memory, exactly. How torch.compile's aten ops
+    reach the planner whole, priced and rounded as eager dispatch runs them."""
+    if kind not in ("elementwise", "memory"):
+        raise ValueError(f"device_op kind must be 'elementwise' or 'memory', got {kind!r}")
+    jname = f"sidra_{kind}_{name}"
+    REGISTRY.setdefault(jname, (kind, {"name": name}))
+
+    def impl(*xs):
+        return f(*xs)
+
+    impl.__name__ = impl.__qualname__ = jname
+    return jax.jit(impl)(*arrays)
+
+
 def relu(x):
     """max(x, 0) (the same as jax.nn.relu, which is also recognised)."""
     return _marked("relu")(x)
@@ -104,27 +126,32 @@ def silu(x):
     return _marked("silu")(x)
 
 
-def softmax(x, axis: int = -1):
-    return _marked("softmax", axis=int(axis))(x)
+def softmax(x, axis: int = -1, safe: bool = False):
+    """Softmax along `axis`; `safe`: rows that are -inf throughout give zeros (PyTorch's _safe_softmax)."""
+    return _marked("softmax", axis=int(axis), safe=bool(safe))(x)
 
 
 def log_softmax(x, axis: int = -1):
     return _marked("log_softmax", axis=int(axis))(x)
 
 
-def dot_product_attention(query, key, value, scale: float | None = None):
-    """Softmax(q k^T scale) v over (batch, seq, heads, dim) arrays, jax.nn.dot_product_attention's
-    layout and default scale (1 / sqrt(dim)), run as the engine's one attention op, as
-    PyTorch's scaled_dot_product_attention is (without a mask)."""
+def dot_product_attention(query, key, value, scale: float | None = None, mask=None, causal: bool = False,
+                          layout: str = "bshd"):
+    """Softmax(q k^T scale [+ mask]) v, run as the engine's one attention op, as PyTorch's
+    scaled_dot_product_attention is. `layout` "bshd" (batch, seq, heads, dim: jax.nn's) or "bhsd"
+    (PyTorch's); the scale defaults to 1 / sqrt(dim); `mask` (bool: keep where True, or float:
+    added) broadcasts to the scores (batch, heads, seq_q, seq_k); `causal` hides later keys."""
     scale = 1.0 / float(query.shape[-1]) ** 0.5 if scale is None else float(scale)
-    return _marked("attention", scale=scale)(query, key, value)
+    args = (query, key, value) if mask is None else (query, key, value, mask)
+    return _marked("attention", scale=scale, causal=bool(causal), layout=layout)(*args)
 
 
-def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, ndim: int = 1):
-    """Layer norm over the last `ndim` axes, with optional scale and shift."""
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, ndim: int = 1, stats: bool = False):
+    """Layer norm over the last `ndim` axes, with optional scale and shift; `stats`: also the mean
+    and 1 / std (as aten.native_layer_norm returns them)."""
     args = [x] + [a for a in (weight, bias) if a is not None]
     return _marked("layer_norm", eps=float(eps), ndim=int(ndim), has_weight=weight is not None,
-                   has_bias=bias is not None)(*args)
+                   has_bias=bias is not None, stats=bool(stats))(*args)
 
 
 def rms_norm(x, weight=None, eps: float = 1e-6, ndim: int = 1):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from sidra_core import ops, placement
+from sidra_core import graph_cost, ops, placement
 from sidra_core.cost import ZERO, Cost
 from sidra_core.spec import ChipSpec
 
@@ -100,6 +100,7 @@ class Instr:
     params: dict = field(default_factory=dict)
     cost: Cost = ZERO
     counts: dict = field(default_factory=dict)
+    price: ops.Price | None = None  # what the chip charges for it (None: free)
     meta: dict = field(default_factory=dict)
     wref: int | None = None  # index into Plan.wrefs
     seed: int | None = None  # index into the call's seed vector
@@ -120,6 +121,8 @@ class Plan:
     spec: ChipSpec
     out_tree: object = None
     fused_bias: int = 0
+    fused: int = 0  # MVMs fused with their epilogue (graph pricing)
+    graph: bool = False  # priced as one pipelined graph (sidra_core.graph_cost), as torch.compile prices
     executor: object = None
 
     def crossbar_weights(self) -> list[tuple[int, int, int]]:
@@ -154,6 +157,12 @@ def _nbytes(aval) -> int:
         return _numel(aval) * np.dtype(aval.dtype).itemsize
     except TypeError:  # tokens, keys
         return 0
+
+
+def _rows(aval) -> int:
+    """The rows an op streams in a pipelined graph: its result's vectors along the last axis."""
+    shape = getattr(aval, "shape", ())
+    return max(_numel(aval) // max(int(shape[-1]), 1), 1) if shape else 1
 
 
 def _is_float(aval) -> bool:
@@ -218,7 +227,7 @@ class _Builder:
         if price is None:
             kw["where"] = None
         else:
-            kw.update(where=price.where, cost=price.cost, counts=dict(price.counts))
+            kw.update(where=price.where, cost=price.cost, counts=dict(price.counts), price=price)
         ins_ = Instr(kind=kind, name=name, ins=list(ins), outs=outs,
                      out_avals=[v.aval for v in eqn.outvars], prim=eqn.primitive, params=dict(eqn.params), **kw)
         self.instrs.append(ins_)
@@ -246,15 +255,24 @@ class _Builder:
             return outs
         if name in ENGINE_PRIMS:
             op = ENGINE_PRIMS[name]
-            return self._emit("engine_op", "sidra::" + op, eqn, ins, ops.engine(op, _numel(eqn.outvars[0].aval), self.spec),
-                              meta={"op": op})
+            return self._emit("engine_op", "sidra::" + op, eqn, ins, self._engine(op, eqn, ins), meta={"op": op})
         if name in ELEMENTWISE:
-            numel = max([_numel(v.aval) for v in eqn.outvars] + [_numel(self.aval(r)) for r in ins])
-            return self._emit("elementwise", "sidra::" + name, eqn, ins, ops.elementwise(numel, self.spec))
+            return self._emit("elementwise", "sidra::" + name, eqn, ins, self._elementwise(eqn, ins))
         if name in MEMORY:
-            nbytes = sum(_nbytes(v.aval) for v in eqn.outvars)
-            return self._emit("memory", "sidra::" + name, eqn, ins, ops.memory(nbytes, self.spec))
+            return self._emit("memory", "sidra::" + name, eqn, ins, self._memory(eqn, ins))
         return self.host(eqn, ins)
+
+    def _engine(self, op, eqn, ins) -> ops.Price:
+        return ops.engine(op, _numel(self.aval(ins[0])), self.spec, _rows(eqn.outvars[0].aval))
+
+    def _elementwise(self, eqn, ins) -> ops.Price:
+        numel = max([_numel(v.aval) for v in eqn.outvars] + [_numel(self.aval(r)) for r in ins])
+        return ops.elementwise(numel, self.spec, _rows(eqn.outvars[0].aval))
+
+    def _memory(self, eqn, ins) -> ops.Price:
+        """Stored tensors (a weight's rows: an embedding) move in DRAM, activations in SRAM."""
+        level = "dram" if any(self._weight(r) is not None for r in ins) else "sram"
+        return ops.memory(sum(_nbytes(v.aval) for v in eqn.outvars), self.spec, level)
 
     def host(self, eqn, ins, name=None) -> list:
         if eqn.primitive.name in ("scan", "while", "cond") and eqn.primitive.name not in self.warned:
@@ -273,11 +291,17 @@ class _Builder:
         fname = _call_name(eqn)
         if name in ("pjit", "jit") and fname in _nn.REGISTRY:
             op, kw = _nn.REGISTRY[fname]
+            if op == "elementwise":  # an aten element-wise op whole (sidra_jax.nn.device_op)
+                return self._emit("elementwise", "sidra::" + kw["name"], eqn, ins, self._elementwise(eqn, ins))
+            if op == "memory":
+                return self._emit("memory", "sidra::" + kw["name"], eqn, ins, self._memory(eqn, ins))
             if op == "attention":  # priced as sidra_torch prices scaled_dot_product_attention: its 4 ops
-                (b, s, h, d), (_, t, _, dv) = self.aval(ins[0]).shape, self.aval(ins[2]).shape
-                price = ops.attention(b * h, s, d, t, dv, self.spec)
+                q, k, v = (tuple(self.aval(r).shape) for r in ins[:3])
+                if kw.get("layout", "bshd") == "bshd":  # as (batch, heads, seq, dim)
+                    q, k, v = ((*t[:-3], t[-2], t[-3], t[-1]) for t in (q, k, v))
+                price = ops.attention_of(q, k, v, self.spec)
             else:
-                price = ops.engine(op, _numel(self.aval(ins[0])), self.spec)
+                price = self._engine(op, eqn, ins)
             return self._emit("marked", "sidra::" + op.replace("gelu_tanh", "gelu"), eqn, ins, price,
                               meta={"op": op, "kw": kw})
         if name in ("pjit", "jit", "custom_jvp_call") and fname in ENGINE_CALLS and len(ins) == 1 \
@@ -285,8 +309,7 @@ class _Builder:
             op = ENGINE_CALLS[fname]
             # executed as the engine's op; its straight-through backward binds this very call (and so
             # keeps jax.nn.relu's own derivative rule, 0 at 0)
-            return self._emit("engine_op", "sidra::" + op, eqn, ins, ops.engine(op, _numel(self.aval(ins[0])), self.spec),
-                              meta={"op": op})
+            return self._emit("engine_op", "sidra::" + op, eqn, ins, self._engine(op, eqn, ins), meta={"op": op})
         if name in ("pjit", "jit"):
             sub = p["jaxpr"]
         elif name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "core_call"):
@@ -508,14 +531,90 @@ def _fuse_bias(b: _Builder, out_refs: list) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Graph pricing: an MVM and the ops that consume its results as they leave the accumulators.
+
+ACTIVATIONS = {"relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "silu"}
+
+
+def _activation(ins) -> bool:
+    return ins.kind in ("engine_op", "marked") and ins.meta.get("op") in ACTIVATIONS
+
+
+def _epilogue(head, only_user, defined_after) -> list:
+    """The instructions after a crossbar MVM that fuse into it: an activation, then a residual add
+    (its other operand ready before the MVM starts), through reshapes between them."""
+    chain, cur, stage = [], head, 0  # 0: after the MVM (and its bias), 1: after the activation
+    while True:
+        nxt = only_user(cur.outs[0]) if len(cur.outs) == 1 else None
+        if nxt is None:
+            break
+        if nxt.kind == "bind" and nxt.where is None and nxt.prim.name == "reshape":
+            chain.append(nxt)
+        elif _activation(nxt) and stage == 0:
+            chain.append(nxt)
+            stage = 1
+        elif nxt.kind == "elementwise" and nxt.name == "sidra::add" and len(nxt.ins) == 2:
+            other = nxt.ins[1] if nxt.ins[0] == cur.outs[0] else nxt.ins[0]
+            if defined_after(other, head):
+                break
+            chain.append(nxt)
+            break
+        else:
+            break
+        cur = nxt
+    while chain and chain[-1].where is None:  # trailing reshapes stay outside
+        chain.pop()
+    return chain
+
+
+def _fuse_epilogues(b: _Builder, out_refs: list) -> int:
+    """Each crossbar MVM with its epilogue becomes one device op (sidra_core.ops.fused): the
+    epilogue's results stream beside the MVM's; the instructions still run as they are."""
+    defs, order, users = {}, {}, {}
+    for idx, ins in enumerate(b.instrs):
+        order[id(ins)] = idx
+        for r in ins.outs:
+            defs[r] = ins
+        for r in ins.ins:
+            if not isinstance(r, Lit):
+                users.setdefault(r, []).append(ins)
+    outputs = {r for r in out_refs if not isinstance(r, Lit)}
+
+    def only_user(r):
+        u = users.get(r, ())
+        return u[0] if len(u) == 1 and r not in outputs else None
+
+    def defined_after(r, head) -> bool:
+        d = None if isinstance(r, Lit) else defs.get(r)
+        return d is not None and order[id(d)] > order[id(head)]
+
+    fused = 0
+    for head in b.instrs:
+        if head.kind not in ("mvm", "conv"):
+            continue
+        chain = [i for i in _epilogue(head, only_user, defined_after) if i.where is not None]
+        if not chain:
+            continue
+        parts = [head.name.removeprefix("sidra::")] + [i.name.removeprefix("sidra::") for i in chain]
+        head.price = ops.fused([head.price] + [i.price for i in chain])
+        head.cost, head.counts, head.name = head.price.cost, dict(head.price.counts), "sidra::fused_" + "_".join(parts)
+        for i in chain:
+            i.where, i.price, i.cost, i.counts = None, None, ZERO, {}
+        fused += 1
+    return fused
+
+
+# ---------------------------------------------------------------------------
 
 
 def build(closed, spec: ChipSpec, leaf_is_weight: list[bool], leaf_resident: list[bool],
-          transfers: bool, out_avals=None) -> Plan:
+          transfers: bool, graph: bool = False) -> Plan:
     """The device plan of a closed jaxpr whose inputs are the call's flattened argument leaves.
 
     `leaf_is_weight[i]`: leaf i is a crossbar-programmable Weight; `leaf_resident[i]`: it is in device
     memory already (a Weight of either kind); other leaves cross the host link when `transfers`.
+    `graph`: price the whole as one compiled graph (MVM epilogues fused, rows pipelined across ops,
+    as torch.compile's graphs are priced) instead of op after op, as eager runs them.
     """
     b = _Builder(spec, leaf_is_weight)
     in_refs = [b.new(v.aval) for v in closed.jaxpr.invars]
@@ -524,6 +623,7 @@ def build(closed, spec: ChipSpec, leaf_is_weight: list[bool], leaf_resident: lis
             b.origin[r] = (i, ())
     out_refs = b.walk(closed.jaxpr, closed.consts, in_refs)
     fused = _fuse_bias(b, out_refs)
+    epilogues = _fuse_epilogues(b, out_refs) if graph else 0
     # Crossbar copies in first-use order, one seed per MVM in program order.
     wrefs: list[WeightRef] = []
     index: dict = {}
@@ -555,6 +655,8 @@ def build(closed, spec: ChipSpec, leaf_is_weight: list[bool], leaf_resident: lis
         total = total + s.cost
         for k, v in s.counts.items():
             counts[k] = counts.get(k, 0) + int(v)
+    if graph and steps:
+        total = graph_cost.graph_cost([s.price.stage for s in steps])
     return Plan(in_refs=in_refs, out_refs=out_refs, const_refs=b.const_refs, consts=b.consts, instrs=b.instrs,
                 wrefs=wrefs, n_seeds=n_seeds, steps=steps, total=total, counts=counts, spec=spec,
-                fused_bias=fused)
+                fused_bias=fused, fused=epilogues, graph=graph)

@@ -102,7 +102,7 @@ class SidraFunction:
     """A JAX function transformed to run on a SIDRA chip (see `sidra_jax.jit`)."""
 
     def __init__(self, fn, chip: Chip | None = None, *, static_argnums=(), static_argnames=(),
-                 transfers: bool = True):
+                 transfers: bool = True, graph: bool = False):
         functools.update_wrapper(self, fn)
         if not hasattr(self, "__name__"):
             self.__name__ = getattr(type(fn), "__name__", "function")
@@ -113,6 +113,7 @@ class SidraFunction:
         self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         self.transfers = bool(transfers)
+        self.graph = bool(graph)
         self._plans: dict = {}
         self._executors: dict = {}  # compiled programs, shared by chips whose kernels agree
         self._lock = threading.RLock()
@@ -166,7 +167,7 @@ class SidraFunction:
     def _get_plan(self, values, slots, treedef, static, nargs, chip: Chip) -> _plan.Plan:
         sigs = tuple(_leaf_sig(v) for v in values)
         kinds = tuple(0 if s is None else (1 if s.kind == PARAM else 2) for s in slots)
-        key = (treedef, sigs, kinds, static, chip.spec, self.transfers)
+        key = (treedef, sigs, kinds, static, chip.spec, self.transfers, self.graph)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -179,7 +180,7 @@ class SidraFunction:
             # The program depends on the spec only through the kernels' static settings (noise levels,
             # conductances and costs are data or Python): chips that agree share one compiled program.
             spec = chip.spec
-            ekey = (key[:4], key[5], spec.engine.precision, spec.engine.matmul,
+            ekey = (key[:4], key[5:], spec.engine.precision, spec.engine.matmul,
                     tuple(sorted(crossbar.mvm_kwargs(spec).items())))
             ex = self._executors.get(ekey)
             if ex is None:
@@ -206,7 +207,7 @@ class SidraFunction:
         closed = jax.make_jaxpr(flat_fn)(*structs)
         self.traces += 1
         p = _plan.build(closed, chip.spec, [s is not None and s.kind == PARAM for s in slots],
-                        [s is not None for s in slots], self.transfers)
+                        [s is not None for s in slots], self.transfers, self.graph)
         p.out_tree = out_tree[0]
         return p
 
@@ -247,34 +248,11 @@ class SidraFunction:
                           f"when it is traced (every call of the outer function reuses them); call sidra_jax "
                           f"functions outside jax.jit (they are compiled already)", stacklevel=2)
         profs = _profiler.active()
-        clock = chip.clock
-        start = clock.now
-        residents = []
-        for w in plan.wrefs:
-            res = slots[w.leaf].fresh(w.key)
-            if res is None:
-                residents = None
-                break
-            residents.append(res)
-        records = None
-        if residents is None:
-            with self._lock:
-                snaps, seeds, records = self._first_call(plan, slots, chip, bool(profs))
-        else:
-            snaps = tuple(chip.snapshot(r) for r in residents)
-            seeds = np.fromiter((chip.next_seed() for _ in range(plan.n_seeds)), np.uint32, plan.n_seeds)
-            clock.charge(plan.total, **plan.counts)
-        out = plan.executor(snaps, seeds, values, plan.consts)
+        out, records, start = run(plan, slots, values, chip, self.__name__, self._lock, record=bool(profs))
         if profs:
             if not nested:
                 out = jax.block_until_ready(out)
             host_s = time.perf_counter() - t0
-            if records is None:
-                records, t = [], start
-                for s in plan.steps:
-                    c = s.cost.with_background(clock.background_w)
-                    records.append(OpRecord(s.name, s.where, c, s.counts.get("host_bytes", 0), 0.0, t))
-                    t += s.cost.latency_s
             total = ZERO
             for r in records:
                 total = total + r.cost
@@ -282,52 +260,104 @@ class SidraFunction:
                 p._add_call(f"sidra_jax::{self.__name__}", records, total, host_s, start)
         return jax.tree_util.tree_unflatten(plan.out_tree, out)
 
-    def _first_call(self, plan, slots, chip: Chip, record: bool):
-        """Program what is missing in first-use order, drawing seeds and charging costs op by op."""
-        pending, seen = [], set()
-        for w in plan.wrefs:
-            s = slots[w.leaf]
-            if not s.copies.held(s.chip, w.key) and (id(s), w.key) not in seen:
-                seen.add((id(s), w.key))
-                pending.append((w.k, w.n))
-        if pending:
-            chip.check_fits(pending, name=f"{self.__name__} ({len(pending)} crossbar weights)")
-        clock = chip.clock
-        snaps = [None] * len(plan.wrefs)
-        seeds = np.zeros(plan.n_seeds, np.uint32)
-        records = [] if record else None
-        for s in plan.steps:
-            if record:
-                before, start = clock.raw(), clock.now
-            if s.wref is not None:
-                w = plan.wrefs[s.wref]
-                res = slots[w.leaf].resident(w.key)
-                snap = chip.snapshot(res)
-                if snaps[s.wref] is None:
-                    snaps[s.wref] = snap
-                seeds[s.seed] = chip.next_seed()
+
+def run(plan: _plan.Plan, slots: list, values: list, chip: Chip, name: str, lock, record: bool = False):
+    """One call of a plan on `chip`: its crossbar copies current (programmed at first use), a read
+    snapshot of each and a fresh noise seed per MVM, the clock charged, the executor run.
+
+    `slots[i]` is leaf i's weight slot (None for data): anything with `fresh(key)`, `resident(key)`
+    and `held(key)`. Returns (flat outputs, profiler records or None, the device time it started).
+    """
+    clock = chip.clock
+    start = clock.now
+    residents = []
+    for w in plan.wrefs:
+        res = slots[w.leaf].fresh(w.key)
+        if res is None:
+            residents = None
+            break
+        residents.append(res)
+    records = None
+    if residents is None:
+        with lock:
+            snaps, seeds, records = _first_call(plan, slots, chip, name, record)
+    else:
+        snaps = tuple(chip.snapshot(r) for r in residents)
+        seeds = np.fromiter((chip.next_seed() for _ in range(plan.n_seeds)), np.uint32, plan.n_seeds)
+        clock.charge(plan.total, **plan.counts)
+    out = plan.executor(snaps, seeds, values, plan.consts)
+    if record and records is None:
+        records = step_records(plan, start, clock.background_w)
+    return out, records, start
+
+
+def step_records(plan: _plan.Plan, start: float, background_w: float, host_s: float = 0.0) -> list:
+    """Profiler rows of one call's steps from device time `start`; a graph's pipelined latency is
+    shared in proportion to its ops' own latencies, and so is `host_s`."""
+    own = sum(s.cost.latency_s for s in plan.steps) or 1.0
+    k = plan.total.latency_s / own if plan.graph else 1.0
+    out, t = [], start
+    for s in plan.steps:
+        c = s.cost if k == 1.0 else Cost(s.cost.latency_s * k, *s.cost.energies)
+        out.append(OpRecord(s.name, s.where, c.with_background(background_w), s.counts.get("host_bytes", 0),
+                            host_s * s.cost.latency_s / own, t))
+        t += c.latency_s
+    return out
+
+
+def _first_call(plan, slots, chip: Chip, name: str, record: bool):
+    """Program what is missing in first-use order, drawing the seeds in step order; op after op
+    (a plan not priced as a graph) each step is charged as it runs, as eager dispatch charges."""
+    pending, seen = [], set()
+    for w in plan.wrefs:
+        s = slots[w.leaf]
+        if not s.held(w.key) and (id(s), w.key) not in seen:
+            seen.add((id(s), w.key))
+            pending.append((w.k, w.n))
+    if pending:
+        chip.check_fits(pending, name=f"{name} ({len(pending)} crossbar weights)")
+    clock = chip.clock
+    snaps = [None] * len(plan.wrefs)
+    seeds = np.zeros(plan.n_seeds, np.uint32)
+    records = [] if record and not plan.graph else None
+    for s in plan.steps:
+        if records is not None:
+            before, start = clock.raw(), clock.now
+        if s.wref is not None:
+            w = plan.wrefs[s.wref]
+            res = slots[w.leaf].resident(w.key)
+            snap = chip.snapshot(res)
+            if snaps[s.wref] is None:
+                snaps[s.wref] = snap
+            seeds[s.seed] = chip.next_seed()
+        if not plan.graph:
             clock.charge(s.cost, **s.counts)
-            if record:
-                b1, e1, c1 = clock.raw()
-                cost = Cost(b1 - before[0], *(y - x for x, y in zip(before[1], e1)))
-                records.append(OpRecord(s.name, s.where, cost, c1["host_bytes"] - before[2]["host_bytes"], 0.0, start))
-        return tuple(snaps), seeds, records
+        if records is not None:
+            b1, e1, c1 = clock.raw()
+            cost = Cost(b1 - before[0], *(y - x for x, y in zip(before[1], e1)))
+            records.append(OpRecord(s.name, s.where, cost, c1["host_bytes"] - before[2]["host_bytes"], 0.0, start))
+    if plan.graph:
+        clock.charge(plan.total, **plan.counts)
+    return tuple(snaps), seeds, records
 
 
-def jit(fn=None, chip: Chip | None = None, *, static_argnums=(), static_argnames=(), transfers: bool = True):
+def jit(fn=None, chip: Chip | None = None, *, static_argnums=(), static_argnames=(), transfers: bool = True,
+        graph: bool = False):
     """Transform `fn` to run on a SIDRA chip, compiled by `jax.jit` into one XLA program.
 
     `dot_general` / `conv_general_dilated` on a programmed weight (see `sidra_jax.program`) run on the
     crossbars, the rest on the compute engine (or memory / host, priced as such); each call charges the
     device clock of `chip` (default: the chip the programmed arguments live on). `transfers=True` charges
     the host link for argument arrays not in device memory and for the results, as a PyTorch user's
-    `x.to("sidra")` / `y.cpu()` are. Usable as a decorator: `@sidra_jax.jit(chip=chip)`.
+    `x.to("sidra")` / `y.cpu()` are. `graph=True` prices a call as one compiled graph (MVM epilogues
+    fused, rows pipelined across ops), as torch.compile's graphs are; by default op after op, as eager
+    PyTorch runs them. Usable as a decorator: `@sidra_jax.jit(chip=chip)`.
     """
     if fn is None:
         return lambda f: SidraFunction(f, chip, static_argnums=static_argnums, static_argnames=static_argnames,
-                                       transfers=transfers)
+                                       transfers=transfers, graph=graph)
     return SidraFunction(fn, chip, static_argnums=static_argnums, static_argnames=static_argnames,
-                         transfers=transfers)
+                         transfers=transfers, graph=graph)
 
 
 transform = jit

@@ -94,24 +94,8 @@ class WeightSlot:
         return h[1]
 
     def matrix(self, key) -> np.ndarray:
-        """The K x N matrix the crossbar holds for resident key `key` (see `resident_key`)."""
-        chain, kind = key[0], key[1]
-        v = self.host()
-        if chain:
-            v = jnp.asarray(v)
-            for op in chain:
-                v = op.apply(v)
-        v = np.asarray(v, np.float32)
-        if kind == "dot":
-            return np.ascontiguousarray(v if key[2] == 0 else v.T)
-        if kind == "dot_nd":  # contracted dims (in the matmul's order) flattened into K, the others into N
-            contracting, free = key[2], key[3]
-            return np.ascontiguousarray(np.transpose(v, contracting + free).reshape(
-                math.prod(v.shape[d] for d in contracting), -1))
-        if kind == "conv":
-            _, _, rhs_spec, groups = key
-            return conv_weight_matrix(np.transpose(v, rhs_spec), groups)
-        raise ValueError(f"unknown crossbar layout {kind!r}")
+        """The K x N matrix the crossbar holds for resident key `key` (see `layout_matrix`)."""
+        return layout_matrix(self.host(), key)
 
     def resident(self, key) -> sidra_core.Resident:
         """The crossbar copy for `key`, programmed (or incrementally reprogrammed) if needed."""
@@ -122,9 +106,35 @@ class WeightSlot:
         """The crossbar copy for `key` if it is programmed and up to date, else None."""
         return self.copies.fresh(self.chip, key, self.version)
 
+    def held(self, key) -> bool:
+        """Whether the chip holds a copy for `key` (current or not: its tiles are allocated)."""
+        return self.copies.held(self.chip, key)
+
     def free(self) -> None:
         """Release this weight's crossbar tiles."""
         self.copies.free()
+
+
+def layout_matrix(value, key) -> np.ndarray:
+    """The K x N matrix a crossbar holds for an array presented as resident key `key` (its view
+    chain applied, then laid out by `dot_key`, `dot_nd_key` or `conv_key`)."""
+    chain, kind = key[0], key[1]
+    v = value
+    if chain:
+        v = jnp.asarray(v)
+        for op in chain:
+            v = op.apply(v)
+    v = np.asarray(v, np.float32)
+    if kind == "dot":
+        return np.ascontiguousarray(v if key[2] == 0 else v.T)
+    if kind == "dot_nd":  # contracted dims (in the matmul's order) flattened into K, the others into N
+        contracting, free = key[2], key[3]
+        return np.ascontiguousarray(np.transpose(v, contracting + free).reshape(
+            math.prod(v.shape[d] for d in contracting), -1))
+    if kind == "conv":
+        _, _, rhs_spec, groups = key
+        return conv_weight_matrix(np.transpose(v, rhs_spec), groups)
+    raise ValueError(f"unknown crossbar layout {kind!r}")
 
 
 def dot_key(chain: tuple, contracting_dim: int) -> tuple:

@@ -118,7 +118,7 @@ def test_host_fallback_and_memory_ops_are_priced_like_sidra_torch():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(pool_cat(x)))
     in_b, out_b = x.nbytes, x.nbytes // 4
     _assert_cost(c1.cost + c0.cost.scaled(-1),
-                 cost.host_transfer(in_b + out_b, spec, 2) + cost.memory(2 * out_b, spec))
+                 cost.host_transfer(in_b + out_b, spec, 2) + cost.memory(2 * out_b, spec, "sram"))
     assert (c1.fallback_ops - c0.fallback_ops, c1.host_transfers - c0.host_transfers,
             c1.memory_ops - c0.memory_ops) == (1, 2, 1)
 
