@@ -29,12 +29,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sidra_core import conv_weight_matrix, engine, ops, placement
+from sidra_core import engine, ops, placement
 from sidra_core.engine import STORAGE
 
 from . import rnn, runtime, transformer
 from sidra_core.dlpack import to_jax
-from .weights import resident, weight_base
+from .weights import conv_layout, conv_matrix, resident, weight_base
 
 aten = torch.ops.aten
 
@@ -254,8 +254,7 @@ def convolution(func, args, uargs, ukwargs):
                            f"to have {w.shape[1] * groups} channels, but got {x.shape[1] if x.dim() > 1 else 0} "
                            f"channels instead")
     chip = runtime.current_chip()
-    res = resident(chip, w, False, matrix_fn=lambda v, _: conv_weight_matrix(
-        v._inner.detach().to(torch.float32).numpy(), groups))
+    res = resident(chip, w, conv_layout(groups), conv_matrix)
     y = chip.conv(res, _to_jax(uargs[0]), tuple(w.shape), None if bias is None else _to_jax(bias),
                   stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation))
     return _to_torch(y, uargs[0].dtype)

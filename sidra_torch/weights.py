@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.ao.nn.quantized.dynamic import Linear as _DynamicQuantLinear
 
-from sidra_core import EnduranceWarning, from_int8
+from sidra_core import EnduranceWarning, conv_weight_matrix, from_int8
 from sidra_core.registry import WeightCopies
 
 from . import runtime
@@ -181,18 +181,49 @@ def matrix(view, transpose: bool) -> np.ndarray:
     return m.to(torch.float32).numpy()
 
 
-def resident(chip, view, transpose: bool = False, matrix_fn=matrix):
-    """The chip's programmed copy of a weight view, programmed or reprogrammed as needed."""
+def _key(view, layout) -> tuple:
+    """A weight view's registry key: where its cells are in the weight and how the crossbar holds
+    them (`layout` False: as is, True: transposed, or a tag such as a convolution's). W held
+    transposed and a transposed view of W held as is are one copy."""
+    inner, base = view._inner, weight_base(view)._inner
+    shape, stride = tuple(inner.shape), tuple(inner.stride())
+    if layout is True:
+        shape, stride, layout = shape[::-1], stride[::-1], False
+    return inner.storage_offset() - base.storage_offset(), shape, stride, layout
+
+
+def resident(chip, view, layout=False, matrix_fn=matrix):
+    """The chip's programmed copy of a weight view, programmed or reprogrammed as needed;
+    `matrix_fn(view, layout)` is the K x N matrix it holds."""
     base = weight_base(view)
-    inner = view._inner
-    key = (inner.storage_offset() - base._inner.storage_offset(), tuple(inner.shape), inner.stride(), transpose)
-    res, done = _table(base).get(chip, key, _version(base), lambda: matrix_fn(view, transpose),
+    res, done = _table(base).get(chip, _key(view, layout), _version(base), lambda: matrix_fn(view, layout),
                                  name=weight_name(base))
     if done == "programmed":
         runtime.notify_programmed(res)
     elif done == "reprogrammed":
         _note_reprogram(chip, res)
     return res
+
+
+def fresh(chip, view, layout=False):
+    """The chip's copy of a weight view if it is programmed and current, else None."""
+    base = weight_base(view)
+    return _table(base).fresh(chip, _key(view, layout), _version(base))
+
+
+def held(chip, view, layout=False) -> bool:
+    """Whether the chip holds a copy of a weight view (current or not)."""
+    return _table(weight_base(view)).held(chip, _key(view, layout))
+
+
+def conv_layout(groups: int) -> tuple:
+    """The layout tag of a convolution kernel on the crossbar: unrolled to (C_in/groups x k...) x C_out."""
+    return "conv", int(groups)
+
+
+def conv_matrix(view, layout) -> np.ndarray:
+    """`matrix_fn` of a convolution kernel (`layout` from conv_layout)."""
+    return conv_weight_matrix(view._inner.detach().to(torch.float32).numpy(), layout[1])
 
 
 _REPROGRAMMED: dict = {}  # chip id -> residents reprogrammed, in order (the last few)

@@ -141,8 +141,28 @@ def test_a_matmul_with_one_weight_goes_to_the_crossbars_else_to_the_engine():
     assert placement.matmul(False, False) == placement.matmul(True, True) == "engine"
 
 
-def test_the_three_frontends_place_by_sidra_core_placement():
-    for path in ("sidra_torch/dispatch.py", "sidra_torch/compiler/passes.py", "sidra_jax/plan.py"):
+def _sidra_core_names(path) -> set:
+    """What a module imports from sidra_core (names and submodules)."""
+    tree = ast.parse((ROOT / path).read_text())
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("sidra_core"):
+            out |= {n.module.removeprefix("sidra_core").lstrip(".")} | {a.name for a in n.names}
+    return out - {""}
+
+
+def test_torch_compile_is_translated_to_sidra_jax_not_placed_priced_or_rounded_itself():
+    """The compiler lowers aten to JAX and hands the graph to sidra_jax's planner and executor:
+    it imports none of sidra_core's placement, pricing or engine modules."""
+    for path in sorted((ROOT / "sidra_torch/compiler").glob("*.py")):
+        used = _sidra_core_names(path.relative_to(ROOT))
+        assert not used & {"placement", "ops", "cost", "graph_cost", "engine", "crossbar", "conv"}, (path, used)
+    program = (ROOT / "sidra_torch/compiler/program.py").read_text()
+    assert "from sidra_jax import plan" in program and "from sidra_jax.execute import executor" in program
+
+
+def test_the_frontends_place_by_sidra_core_placement():
+    for path in ("sidra_torch/dispatch.py", "sidra_jax/plan.py"):
         tree = ast.parse((ROOT / path).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "sidra_core"
                     for a in n.names}
@@ -190,13 +210,12 @@ def test_a_product_of_two_weights_runs_on_the_engine_in_every_frontend():
 
 
 def test_the_frontends_round_engine_results_by_sidra_core_engine_store():
-    """No frontend calls the engine's format conversion itself: compiled graphs and sidra_jax go
-    through engine.store; eager PyTorch's torch twin is checked against it below."""
+    """No frontend calls the engine's format conversion itself: sidra_jax (and so compiled graphs)
+    goes through engine.store; eager PyTorch's torch twin is checked against it below."""
     for package in ("sidra_torch", "sidra_jax"):
         for path in sorted((ROOT / package).rglob("*.py")):
             text = path.read_text()
             assert "round_to(" not in text, path
-    assert "engine.store(" in (ROOT / "sidra_torch/compiler/lowering.py").read_text()
     assert "engine.store" in (ROOT / "sidra_jax/execute.py").read_text()
 
 

@@ -1,10 +1,10 @@
 """`torch.compile(model, backend="sidra")`: graph mode on the simulated chip.
 
 Dynamo captures the model's graph with sidra tensors as inputs; the backend
-traces it to aten ops, runs the compile passes (placement, fusion, crossbar
-mapping, pricing; passes.py), lowers each run of device ops to one `jax.jit`
-function (lowering.py) and returns a callable that runs them (program.py).
-Ops without a lowering split the graph and run eagerly.
+traces it to aten ops, lowers each run of ops to one JAX function through the
+aten-to-JAX table (lowering.py), and sidra_jax places, prices and runs it
+(program.py): compiled PyTorch and sidra_jax are one code path. Ops without a
+lowering split the graph and run eagerly.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import warnings
 
 import torch
 
-from .passes import MappingReport
+from .export import to_jax
+from .mapping import MappingReport
 from .program import CompiledGraph
 
-__all__ = ["CompiledGraph", "MappingReport", "sidra_backend", "compiled_graphs", "mapping_report"]
+__all__ = ["CompiledGraph", "MappingReport", "sidra_backend", "compiled_graphs", "mapping_report", "to_jax"]
 
 _LIVE: list = []  # the CompiledGraphs made in this process, newest last (weakly: see compiled_graphs)
 

@@ -1,15 +1,18 @@
-"""The aten-to-JAX lowering table of the compiled path, and what each op costs.
+"""The aten-to-JAX table of the compiled path: one plain JAX function per aten op.
 
-Every entry computes what eager dispatch computes for that op on the chip
-(dispatch.py): the same sidra_core kernels for the crossbar and the engine's
-non-linear ops, element-wise results rounded to the engine's storage format,
-views and data movement exact. An op missing here has no device lowering:
-the graph splits around it and it runs eagerly (dispatch decides where).
+A lowering computes its op's float result in JAX, as `torch` would on the CPU;
+what the chip does to it is sidra_jax's: the lowered graph runs through
+sidra_jax's planner and executor (program.py), which place every op (a matmul
+or convolution with a weight operand on the crossbars), price it and apply the
+device's numerics. Each aten op reaches the planner as one device op, as eager
+dispatch runs it: element-wise ops and data movement through
+`sidra_jax.nn.device_op`, the engine's non-linear ops through `sidra_jax.nn`;
+views are free. An op missing here has no lowering: the graph splits around
+it and it runs eagerly (dispatch decides where).
 
-A lowering is `fn(ctx, node, *args, **kwargs) -> jax value`, where `ctx`
-holds the chip spec and, for crossbar ops, the programmed snapshot and noise
-seed of that node. Its `kind` says which hardware runs it (crossbar, engine,
-memory, free) and so how the graph pricer charges it.
+A lowering is `fn(node, *args, **kwargs) -> jax value(s)`; `node` gives the
+result's dtype. Its `kind` says which unit eager dispatch runs the op on
+(free, memory, elementwise or engine; matmul: by its operands).
 """
 
 from __future__ import annotations
@@ -23,9 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from sidra_core import crossbar, engine
-from sidra_core.conv import conv as conv_kernel
-from sidra_core.conv import conv_args
+import sidra_jax.nn as snn
 
 aten = torch.ops.aten
 
@@ -44,18 +45,17 @@ def jnp_dtype(dt: torch.dtype):
 @dataclass(frozen=True)
 class Lowering:
     fn: Callable
-    kind: str  # crossbar | engine | elementwise | matmul | memory | free
-    engine_op: str | None = None  # the cost model's name for an engine op
+    kind: str  # free | memory | elementwise | engine | matmul
     when: Callable | None = None  # (node) -> bool: the lowering applies to this call (else: eager)
 
 
 TABLE: dict = {}
 
 
-def _reg(ops, kind, engine_op=None, when=None):
+def _reg(ops, kind, when=None):
     def deco(fn):
         for op in ops if isinstance(ops, (list, tuple)) else [ops]:
-            TABLE[op] = Lowering(fn, kind, engine_op, when)
+            TABLE[op] = Lowering(fn, kind, when)
         return fn
 
     return deco
@@ -71,14 +71,35 @@ def _cast(y, node):
     return y if dt is None else y.astype(jnp_dtype(dt))
 
 
-def _round_engine(y, node, precision: str):
-    """The node's result in its dtype, as the engine stores it (sidra_core.engine.store); a tuple
-    result (values and indices) as it is, as eager dispatch leaves it."""
-    return y if out_dtype(node) is None else engine.store(_cast(y, node), precision)
-
-
 def _f32(x):
     return x.astype(jnp.float32)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, jax.Array)
+
+
+def _device_op(kind: str, f):
+    """The lowering `f` as one device op (sidra_jax.nn.device_op): its arrays are the op's operands,
+    everything else (sizes, dims, scalars) is closed over."""
+    def run(node, *args, **kwargs):
+        flat, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda x: x is None)
+        at = [i for i, x in enumerate(flat) if _is_array(x)]
+
+        def g(*arrays):
+            full = list(flat)
+            for i, a in zip(at, arrays):
+                full[i] = a
+            a, kw = jax.tree_util.tree_unflatten(tree, full)
+            return f(node, *a, **kw)
+
+        return snn.device_op(kind, _short(node.target), g, *[flat[i] for i in at])
+
+    return run
+
+
+def _short(target) -> str:
+    return getattr(target, "__name__", str(target)).split(".")[0]
 
 
 # ---------------------------------------------------------------------------
@@ -90,39 +111,39 @@ def _dim(d, nd):
 
 
 @_reg([aten.view.default, aten._unsafe_view.default, aten.reshape.default], "free")
-def _view(ctx, node, x, shape):
+def _view(node, x, shape):
     return jnp.reshape(x, tuple(int(s) for s in shape))
 
 
 @_reg(aten.t.default, "free")
-def _t(ctx, node, x):
+def _t(node, x):
     return x.T if x.ndim == 2 else x
 
 
 @_reg(aten.transpose.int, "free")
-def _transpose(ctx, node, x, d0, d1):
+def _transpose(node, x, d0, d1):
     return jnp.swapaxes(x, d0, d1)
 
 
 @_reg(aten.permute.default, "free")
-def _permute(ctx, node, x, dims):
+def _permute(node, x, dims):
     return jnp.transpose(x, tuple(_dim(d, x.ndim) for d in dims))
 
 
 @_reg(aten.expand.default, "free")
-def _expand(ctx, node, x, sizes, implicit=False):
+def _expand(node, x, sizes, implicit=False):
     lead = len(sizes) - x.ndim
     shape = tuple(x.shape[i - lead] if s == -1 else int(s) for i, s in enumerate(sizes))
     return jnp.broadcast_to(x, shape)
 
 
 @_reg(aten.unsqueeze.default, "free")
-def _unsqueeze(ctx, node, x, d):
+def _unsqueeze(node, x, d):
     return jnp.expand_dims(x, _dim(d, x.ndim + 1))
 
 
 @_reg([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default], "free")
-def _squeeze(ctx, node, x, dims=None):
+def _squeeze(node, x, dims=None):
     if dims is None:
         return jnp.squeeze(x)
     dims = [dims] if isinstance(dims, int) else dims
@@ -130,7 +151,7 @@ def _squeeze(ctx, node, x, dims=None):
 
 
 @_reg(aten.slice.Tensor, "free")
-def _slice(ctx, node, x, dim=0, start=None, end=None, step=1):
+def _slice(node, x, dim=0, start=None, end=None, step=1):
     dim = _dim(dim, x.ndim)
     idx = [slice(None)] * x.ndim
     idx[dim] = slice(start, end, step)
@@ -138,12 +159,13 @@ def _slice(ctx, node, x, dim=0, start=None, end=None, step=1):
 
 
 @_reg(aten.select.int, "free")
-def _select(ctx, node, x, dim, index):
-    return jnp.take(x, index, axis=_dim(dim, x.ndim))
+def _select(node, x, dim, index):
+    dim = _dim(dim, x.ndim)
+    return jax.lax.index_in_dim(x, index % x.shape[dim], dim, keepdims=False)
 
 
 @_reg([aten.split.Tensor, aten.split_with_sizes.default], "free")
-def _split(ctx, node, x, sizes, dim=0):
+def _split(node, x, sizes, dim=0):
     dim = _dim(dim, x.ndim)
     if isinstance(sizes, int):
         sizes = [min(sizes, x.shape[dim] - s) for s in range(0, x.shape[dim], sizes)]
@@ -152,17 +174,18 @@ def _split(ctx, node, x, sizes, dim=0):
 
 
 @_reg(aten.unbind.int, "free")
-def _unbind(ctx, node, x, dim=0):
-    return tuple(jnp.moveaxis(x, dim, 0))
+def _unbind(node, x, dim=0):
+    dim = _dim(dim, x.ndim)
+    return tuple(jax.lax.index_in_dim(x, i, dim, keepdims=False) for i in range(x.shape[dim]))
 
 
 @_reg([aten.alias.default, aten.detach.default], "free")
-def _alias(ctx, node, x):
+def _alias(node, x):
     return x
 
 
 @_reg(operator.getitem, "free")
-def _getitem(ctx, node, seq, i):
+def _getitem(node, seq, i):
     return seq[i]
 
 
@@ -170,81 +193,87 @@ def _getitem(ctx, node, seq, i):
 # memory: data movement in SRAM (activations) or DRAM (stored tensors)
 
 
-@_reg(aten.embedding.default, "memory")
-def _embedding(ctx, node, weight, indices, padding_idx=-1, scale_grad=False, sparse=False):
+def _memory(ops):
+    def deco(f):
+        _reg(ops, "memory")(_device_op("memory", f))
+        return f
+
+    return deco
+
+
+@_memory(aten.embedding.default)
+def _embedding(node, weight, indices, padding_idx=-1, scale_grad=False, sparse=False):
     return jnp.take(weight, indices, axis=0)
 
 
-@_reg(aten.index_select.default, "memory")
-def _index_select(ctx, node, x, dim, index):
+@_memory(aten.index_select.default)
+def _index_select(node, x, dim, index):
     return jnp.take(x, index, axis=_dim(dim, x.ndim))
 
 
-@_reg(aten.gather.default, "memory")
-def _gather(ctx, node, x, dim, index, sparse_grad=False):
+@_memory(aten.gather.default)
+def _gather(node, x, dim, index, sparse_grad=False):
     return jnp.take_along_axis(x, index, axis=_dim(dim, x.ndim))
 
 
-@_reg(aten.cat.default, "memory")
-def _cat(ctx, node, tensors, dim=0):
+@_memory(aten.cat.default)
+def _cat(node, tensors, dim=0):
     dt = jnp_dtype(out_dtype(node))
     return jnp.concatenate([t.astype(dt) for t in tensors if t.size or t.ndim > 1], axis=dim)
 
 
-@_reg(aten.stack.default, "memory")
-def _stack(ctx, node, tensors, dim=0):
+@_memory(aten.stack.default)
+def _stack(node, tensors, dim=0):
     return jnp.stack(tensors, axis=dim)
 
 
-@_reg([aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default], "memory")
-def _copy(ctx, node, x, **_):
+@_memory([aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default])
+def _copy(node, x, **_):
     return _cast(x, node)
 
 
-@_reg([aten.arange.start_step, aten.arange.start, aten.arange.default], "memory")
-def _arange(ctx, node, *args, **_):
+@_memory([aten.arange.start_step, aten.arange.start, aten.arange.default])
+def _arange(node, *args, **_):
     return _cast(jnp.arange(*args), node)
 
 
-@_reg([aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format], "memory")
-def _full(ctx, node, size, fill=None, **_):
-    value = {aten.zeros.default: 0, aten.ones.default: 1, aten.empty.memory_format: 0}.get(node.target, fill)
-    return jnp.full(tuple(size), value, jnp_dtype(out_dtype(node)))
+_FILL = {aten.zeros.default: 0, aten.ones.default: 1, aten.empty.memory_format: 0,
+         aten.new_zeros.default: 0, aten.new_ones.default: 1, aten.new_empty.default: 0,
+         aten.zeros_like.default: 0, aten.ones_like.default: 1, aten.empty_like.default: 0}
 
 
-@_reg([aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default], "memory")
-def _new_full(ctx, node, x, size, fill=None, **_):
-    value = {aten.new_zeros.default: 0, aten.new_ones.default: 1, aten.new_empty.default: 0}.get(node.target, fill)
-    return jnp.full(tuple(size), value, jnp_dtype(out_dtype(node)))
+@_memory([aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format])
+def _full(node, size, fill=None, **_):
+    return jnp.full(tuple(size), _FILL.get(node.target, fill), jnp_dtype(out_dtype(node)))
 
 
-@_reg(aten.index.Tensor, "memory")
-def _index(ctx, node, x, indices):
+@_memory([aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default])
+def _new_full(node, x, size, fill=None, **_):
+    return jnp.full(tuple(size), _FILL.get(node.target, fill), jnp_dtype(out_dtype(node)))
+
+
+@_memory(aten.index.Tensor)
+def _index(node, x, indices):
     return x[tuple(slice(None) if i is None else i for i in indices)]
 
 
-@_reg(aten.scalar_tensor.default, "memory")
-def _scalar_tensor(ctx, node, value, **_):
+@_memory(aten.scalar_tensor.default)
+def _scalar_tensor(node, value, **_):
     return jnp.asarray(value, jnp_dtype(out_dtype(node)))
 
 
-@_reg([aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default],
-      "memory")
-def _full_like(ctx, node, x, fill=None, **_):
-    value = {aten.zeros_like.default: 0, aten.ones_like.default: 1, aten.empty_like.default: 0}.get(node.target, fill)
-    return jnp.full(x.shape, value, jnp_dtype(out_dtype(node)))
+@_memory([aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default])
+def _full_like(node, x, fill=None, **_):
+    return jnp.full(x.shape, _FILL.get(node.target, fill), jnp_dtype(out_dtype(node)))
 
 
 # ---------------------------------------------------------------------------
-# engine: element-wise arithmetic, rounded to the engine's storage format
+# engine: element-wise arithmetic, comparisons and reductions (sidra_jax rounds their results to
+# the engine's storage format, once per op)
 
 
 def _elementwise(ops, f):
-    @_reg(ops, "elementwise")
-    def run(ctx, node, *args, **kwargs):
-        return _round_engine(f(*args, **kwargs), node, ctx.spec.engine.precision)
-
-    return run
+    _reg(ops, "elementwise")(_device_op("elementwise", lambda node, *a, **k: _cast(f(*a, **k), node)))
 
 
 def _alpha(f):
@@ -305,121 +334,93 @@ _elementwise([aten.cumsum.default], lambda x, dim, dtype=None: jnp.cumsum(x, axi
 
 
 # ---------------------------------------------------------------------------
-# engine: non-linear and normalising ops (sidra_core.engine at the chip's precision)
+# engine: non-linear and normalising ops (sidra_jax.nn: one engine op each, at the chip's precision)
+
+_UNARY = {aten.relu.default: snn.relu, aten.tanh.default: snn.tanh, aten.sigmoid.default: snn.sigmoid,
+          aten.silu.default: snn.silu}
 
 
-def _unary(op, name):
-    @_reg(op, "engine", name)
-    def run(ctx, node, x, *_, **__):
-        return _cast(engine.ELEMENTWISE[name](_f32(x), precision=ctx.spec.engine.precision), node)
-
-    return run
+@_reg(list(_UNARY), "engine")
+def _unary(node, x, *_, **__):
+    return _cast(_UNARY[node.target](_f32(x)), node)
 
 
-_unary(aten.relu.default, "relu")
-_unary(aten.tanh.default, "tanh")
-_unary(aten.sigmoid.default, "sigmoid")
-_unary(aten.silu.default, "silu")
+@_reg(aten.gelu.default, "engine")
+def _gelu(node, x, approximate="none"):
+    return _cast(snn.gelu(_f32(x), approximate=approximate == "tanh"), node)
 
 
-@_reg(aten.gelu.default, "engine", "gelu")
-def _gelu(ctx, node, x, approximate="none"):
-    name = "gelu_tanh" if approximate == "tanh" else "gelu"
-    return _cast(engine.ELEMENTWISE[name](_f32(x), precision=ctx.spec.engine.precision), node)
+@_reg([aten._softmax.default, aten._log_softmax.default], "engine")
+def _softmax(node, x, dim, half_to_float=False):
+    f = snn.log_softmax if node.target is aten._log_softmax.default else snn.softmax
+    return _cast(f(_f32(x), axis=int(dim)), node)
 
 
-@_reg([aten._softmax.default, aten._log_softmax.default], "engine", "softmax")
-def _softmax(ctx, node, x, dim, half_to_float=False):
-    f = engine.log_softmax if node.target is aten._log_softmax.default else engine.softmax
-    return _cast(f(_f32(x), axis=int(dim), precision=ctx.spec.engine.precision), node)
+@_reg(aten._safe_softmax.default, "engine")
+def _safe_softmax(node, x, dim, dtype=None):
+    return _cast(snn.softmax(_f32(x), axis=int(dim), safe=True), node)
 
 
-@_reg(aten._safe_softmax.default, "engine", "softmax")
-def _safe_softmax(ctx, node, x, dim, dtype=None):
-    return _cast(engine.softmax(_f32(x), axis=int(dim), precision=ctx.spec.engine.precision, safe=True), node)
-
-
-@_reg(aten._scaled_dot_product_flash_attention_for_cpu.default, "engine", "attention")
-def _attention(ctx, node, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    """Attention the capture kept whole (program.DECOMPOSITIONS): eager's engine kernel. The
+@_reg(aten._scaled_dot_product_flash_attention_for_cpu.default, "engine")
+def _attention(node, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """Attention the capture kept whole (program.DECOMPOSITIONS): the engine's attention op. The
     logsumexp output (for a backward pass) is not computed."""
-    e = ctx.spec.engine
-    s = scale or 1.0 / float(np.sqrt(q.shape[-1]))
-    y = engine.attention(_f32(q), _f32(k), _f32(v), attn_mask, scale=s, causal=bool(is_causal),
-                         precision=e.precision, mode=e.matmul)
+    y = snn.dot_product_attention(_f32(q), _f32(k), _f32(v), scale=scale, mask=attn_mask, causal=bool(is_causal),
+                                  layout="bhsd")
     lse = node.meta["val"][1]
     return y, jnp.zeros(tuple(lse.shape), jnp_dtype(lse.dtype))
 
 
-@_reg(aten.native_layer_norm.default, "engine", "layer_norm")
-def _layer_norm(ctx, node, x, shape, w, b, eps):
+@_reg(aten.native_layer_norm.default, "engine")
+def _layer_norm(node, x, shape, w, b, eps):
     # with mean and 1/std: the statistics autograd would save (dead in an inference graph)
-    y, mean, rstd = engine.layer_norm(_f32(x), weight=None if w is None else _f32(w), bias=None if b is None else _f32(b),
-                                      eps=float(eps), ndim=len(shape), precision=ctx.spec.engine.precision, stats=True)
+    y, mean, rstd = snn.layer_norm(_f32(x), None if w is None else _f32(w), None if b is None else _f32(b),
+                                   eps=float(eps), ndim=len(shape), stats=True)
     return y.astype(x.dtype), mean, rstd
 
 
-@_reg(aten._native_batch_norm_legit_no_training.default, "engine", "batch_norm")
-def _batch_norm(ctx, node, x, w, b, rm, rv, momentum, eps):
-    y = engine.batch_norm(_f32(x), _f32(rm), _f32(rv), weight=None if w is None else _f32(w),
-                          bias=None if b is None else _f32(b), eps=float(eps), precision=ctx.spec.engine.precision)
+@_reg(aten._native_batch_norm_legit_no_training.default, "engine")
+def _batch_norm(node, x, w, b, rm, rv, momentum, eps):
+    y = snn.batch_norm(_f32(x), _f32(rm), _f32(rv), None if w is None else _f32(w), None if b is None else _f32(b),
+                       eps=float(eps))
     empty = jnp.zeros((0,), x.dtype)
     return y.astype(x.dtype), empty, empty
 
 
-@_reg(aten.native_batch_norm.default, "engine", "batch_norm", when=lambda n: not n.args[5])
-def _native_batch_norm(ctx, node, x, w, b, rm, rv, training, momentum, eps):
+@_reg(aten.native_batch_norm.default, "engine", when=lambda n: not n.args[5])
+def _native_batch_norm(node, x, w, b, rm, rv, training, momentum, eps):
     """Inference only: training batch norm (batch statistics) runs eagerly, on the host."""
-    return _batch_norm(ctx, node, x, w, b, rm, rv, momentum, eps)
+    return _batch_norm(node, x, w, b, rm, rv, momentum, eps)
 
 
 # ---------------------------------------------------------------------------
-# matmuls: on the crossbar when an operand is a weight, else the engine's INT8 MACs
+# matmuls: sidra_jax places them (a weight operand: the crossbars, else the engine's INT8 MACs)
 
 
-def _engine_matmul(ctx, a, b):
-    return engine.matmul(_f32(a), _f32(b), mode=ctx.spec.engine.matmul)
+@_reg([aten.mm.default, aten.bmm.default], "matmul")
+def _mm(node, a, b):
+    return _cast(jnp.matmul(a, b), node)
 
 
-def _mvm(ctx, node, x, bias=None):
-    snap, seed = ctx.crossbar(node)
-    y = crossbar.mvm(snap, _f32(x), seed, None if bias is None else _f32(bias), **crossbar.mvm_kwargs(ctx.spec))
-    return jax.lax.optimization_barrier(y)  # computed once (see host.XLA_COMPILER_OPTIONS)
+@_reg(aten.addmm.default, "matmul", when=lambda n: n.kwargs.get("beta", 1) == 1 and n.kwargs.get("alpha", 1) == 1)
+def _addmm(node, bias, a, b, beta=1, alpha=1):
+    return _cast(jnp.matmul(a, b) + bias, node)
 
 
-@_reg(aten.bmm.default, "matmul")
-def _bmm(ctx, node, a, b):
-    return _cast(_engine_matmul(ctx, a, b), node)
+_CONV_LAYOUTS = {3: ("NCH", "OIH", "NCH"), 4: ("NCHW", "OIHW", "NCHW"), 5: ("NCDHW", "OIDHW", "NCDHW")}
 
 
-@_reg(aten.mm.default, "matmul")
-def _mm(ctx, node, a, b):
-    side = ctx.weight_side(node)
-    if side == 1:
-        return _cast(_mvm(ctx, node, a), node)
-    if side == 0:  # W @ x = (x^T @ W^T)^T
-        return _cast(_mvm(ctx, node, b.T).T, node)
-    return _cast(_engine_matmul(ctx, a, b), node)
+def _plain_conv(n) -> bool:
+    """Eager's crossbar convolutions: not transposed, numeric padding, 1-3 spatial dimensions."""
+    w = n.args[1].meta.get("val") if hasattr(n.args[1], "meta") else None
+    return not n.args[6] and not isinstance(n.args[4], str) and w is not None and w.dim() in _CONV_LAYOUTS
 
 
-@_reg(aten.addmm.default, "matmul")
-def _addmm(ctx, node, bias, a, b, beta=1, alpha=1):
-    if ctx.weight_side(node) == 2:
-        return _cast(_mvm(ctx, node, a, bias), node)
-    out = _engine_matmul(ctx, a, b).astype(jnp_dtype(out_dtype(node))) + bias
-    return _round_engine(out, node, ctx.spec.engine.precision)
-
-
-@_reg(aten.convolution.default, "matmul")
-def _convolution(ctx, node, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
-    snap, seed = ctx.crossbar(node)
-    w_shape = tuple(node.args[1].meta["val"].shape)  # the weight's value is not read: its tiles are
-    args = conv_args(w_shape, tuple(stride), tuple(padding), tuple(dilation))
-    y = conv_kernel(snap, _f32(x), seed, None if bias is None else _f32(bias), **args,
-                    **crossbar.mvm_kwargs(ctx.spec))
-    return _cast(jax.lax.optimization_barrier(y), node)
-
-
-# Which argument of a matmul node is the weight operand when it runs on the crossbar:
-# mm(x, W) -> 1, mm(W, x) -> 0, addmm(bias, x, W) -> 2, convolution(x, W, ...) -> 1.
-MATMULS = {aten.mm.default, aten.addmm.default, aten.convolution.default, aten.bmm.default}
+@_reg(aten.convolution.default, "matmul", when=_plain_conv)
+def _convolution(node, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    y = jax.lax.conv_general_dilated(x, w, tuple(stride), [(int(p), int(p)) for p in padding],
+                                     rhs_dilation=tuple(dilation), dimension_numbers=_CONV_LAYOUTS[w.ndim],
+                                     feature_group_count=int(groups))
+    if bias is not None:
+        y = y + bias.reshape(1, -1, *([1] * (w.ndim - 2)))
+    return _cast(y, node)
