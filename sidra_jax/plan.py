@@ -2,8 +2,8 @@
 
 `build(closed_jaxpr, ...)` walks the jaxpr once, in order, inlining calls
 (`jit`, `custom_jvp_call`, `custom_vjp_call`, `closed_call`, `remat`), and
-emits a flat list of `Instr`. The rules mirror sidra_torch's dispatch table,
-so the same computation costs the same on both bridges:
+emits a flat list of `Instr`. Each primitive's unit comes from
+`sidra_core.placement` (the table sidra_torch's dispatch reads for aten ops):
 
 - crossbar: `dot_general` with one operand a marked 2-D weight (or a view of
   one: transpose, cast, reshape) and one contracting dimension; a following
@@ -39,34 +39,7 @@ from . import nn as _nn
 from .weights import ViewOp, conv_key, dot_key, dot_nd_key
 
 # ---------------------------------------------------------------------------
-# Primitive classes (by name, so the table survives JAX renaming its modules).
-
-FREE = {
-    "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type", "copy", "copy_p",
-    "slice", "stop_gradient", "reduce_precision", "sharding_constraint", "optimization_barrier", "device_put",
-    "split", "real", "imag", "mesh_cast", "reshard", "pvary", "name",
-}
-# Views that keep a weight a weight (the crossbar holds the viewed matrix).
-WEIGHT_VIEWS = {"transpose", "convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims",
-                "device_put", "sharding_constraint", "optimization_barrier", "reduce_precision"}
-MEMORY = {
-    "concatenate", "pad", "gather", "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
-    "scatter-min", "scatter-max", "scatter_min", "scatter_max", "dynamic_slice", "dynamic_update_slice", "iota",
-    "rev", "select_and_gather_add", "clamp_index",
-}
-ELEMENTWISE = {
-    "add", "add_any", "sub", "mul", "div", "rem", "neg", "sign", "floor", "ceil", "round", "is_finite", "exp",
-    "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "sqrt", "rsqrt", "cbrt", "abs", "max", "min", "erf",
-    "erfc", "erf_inv", "lgamma", "digamma", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
-    "asinh", "acosh", "atanh", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "select_n", "clamp",
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "argmax",
-    "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "square", "nextafter", "shift_left",
-    "shift_right_logical", "shift_right_arithmetic", "population_count", "conj", "tanh", "logistic",
-}
-# Primitives that are one of the engine's non-linear ops (sidra_core.engine.ELEMENTWISE).
-ENGINE_PRIMS = {"tanh": "tanh", "logistic": "sigmoid"}
-# jax.nn functions that arrive whole (custom_jvp or jit named after them).
-ENGINE_CALLS = {"relu": "relu", "silu": "silu"}
+# Primitives that are calls: their bodies are planned inline.
 CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
          "custom_vjp_call_jaxpr", "custom_lin"}
 
@@ -246,19 +219,21 @@ class _Builder:
             return self.dot(eqn, ins)
         if name == "conv_general_dilated":
             return self.conv(eqn, ins)
-        if name in FREE:
+        unit = placement.jax_unit(name)
+        if unit == "free":
             outs = self._emit("bind", "sidra::" + name, eqn, ins)
             src = ins[0] if ins else None
-            if name in WEIGHT_VIEWS and not isinstance(src, Lit) and src in self.origin and len(outs) == 1:
+            if (name in placement.JAX_WEIGHT_VIEWS and not isinstance(src, Lit) and src in self.origin
+                    and len(outs) == 1):
                 leaf, chain = self.origin[src]
                 self.origin[outs[0]] = (leaf, chain + (ViewOp(eqn.primitive, p),))
             return outs
-        if name in ENGINE_PRIMS:
-            op = ENGINE_PRIMS[name]
+        if unit == "engine":
+            op = placement.JAX_ENGINE[name]
             return self._emit("engine_op", "sidra::" + op, eqn, ins, self._engine(op, eqn, ins), meta={"op": op})
-        if name in ELEMENTWISE:
+        if unit == "elementwise":
             return self._emit("elementwise", "sidra::" + name, eqn, ins, self._elementwise(eqn, ins))
-        if name in MEMORY:
+        if unit == "memory":
             return self._emit("memory", "sidra::" + name, eqn, ins, self._memory(eqn, ins))
         return self.host(eqn, ins)
 
@@ -304,9 +279,9 @@ class _Builder:
                 price = self._engine(op, eqn, ins)
             return self._emit("marked", "sidra::" + op.replace("gelu_tanh", "gelu"), eqn, ins, price,
                               meta={"op": op, "kw": kw})
-        if name in ("pjit", "jit", "custom_jvp_call") and fname in ENGINE_CALLS and len(ins) == 1 \
+        if name in ("pjit", "jit", "custom_jvp_call") and fname in placement.JAX_ENGINE_CALLS and len(ins) == 1 \
                 and len(eqn.outvars) == 1 and _is_float(self.aval(ins[0])) and _from_jax_nn(eqn):
-            op = ENGINE_CALLS[fname]
+            op = placement.JAX_ENGINE_CALLS[fname]
             # executed as the engine's op; its straight-through backward binds this very call (and so
             # keeps jax.nn.relu's own derivative rule, 0 at 0)
             return self._emit("engine_op", "sidra::" + op, eqn, ins, self._engine(op, eqn, ins), meta={"op": op})

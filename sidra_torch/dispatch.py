@@ -655,27 +655,14 @@ HOST_ONLY_ON_ACCELERATORS = {
 }
 
 
-def _ops(*names):
-    out = []
-    for n in names:
-        base, _, ov = n.partition(".")
-        packet = getattr(aten, base, None)
-        op = getattr(packet, ov or "default", None) if packet is not None else None
-        if op is not None:
-            out.append(op)
-    return out
-
-
-CROSSBAR = {
+# The device kernels of the ops placement.ATEN puts on the crossbars or the engine's own kernels.
+KERNELS = {
     aten.mm.default: mm, aten.addmm.default: addmm, aten.linear.default: linear,
     aten.matmul.default: matmul, aten.convolution.default: convolution,
     aten.conv1d.default: conv_nd, aten.conv2d.default: conv_nd, aten.conv3d.default: conv_nd,
     aten.conv_transpose1d.default: conv_transpose_nd, aten.conv_transpose2d.input: conv_transpose_nd,
     aten.conv_transpose3d.input: conv_transpose_nd,
     torch.ops.quantized.linear_dynamic.default: linear_dynamic,
-}
-
-ENGINE = {
     aten.bmm.default: bmm, aten.baddbmm.default: baddbmm,
     aten.relu.default: relu, aten.gelu.default: gelu,
     aten.tanh.default: unary("tanh"), aten.sigmoid.default: unary("sigmoid"), aten.silu.default: unary("silu"),
@@ -696,41 +683,11 @@ ENGINE = {
     aten._transformer_encoder_layer_fwd.default: transformer.transformer_encoder_layer,
 }
 
-ELEMENTWISE = _ops(
-    "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "mul.Tensor", "mul.Scalar", "div.Tensor",
-    "div.Scalar", "div.Tensor_mode", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "pow.Tensor_Scalar",
-    "pow.Tensor_Tensor", "pow.Scalar", "reciprocal", "where.self", "masked_fill.Scalar", "masked_fill.Tensor",
-    "clamp", "clamp.Tensor", "clamp_min", "clamp_max", "maximum", "minimum", "sum.dim_IntList", "sum.default",
-    "mean.dim", "mean.default", "amax", "amin", "max.dim", "min.dim", "var.correction", "erf", "exp2",
-    "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar",
-    "gt.Tensor", "gt.Scalar", "ge.Tensor", "ge.Scalar", "logical_not", "logical_and", "logical_or",
-    "bitwise_not", "bitwise_and.Tensor", "bitwise_or.Tensor", "bitwise_xor.Tensor", "bitwise_and.Scalar",
-    "bitwise_or.Scalar", "__and__.Tensor", "__or__.Tensor", "__xor__.Tensor", "all", "all.dim", "any", "any.dim",
-    "where.ScalarOther", "where.ScalarSelf", "where.Scalar", "rsub.Scalar", "rsub.Tensor", "tril", "triu",
-    "cumsum", "argmax", "argmin", "sign", "floor", "ceil", "round", "trunc", "hardtanh", "leaky_relu",
-    "elu", "softplus", "mish", "hardswish", "hardsigmoid", "sin", "cos", "lerp.Scalar", "addcmul",
-    "addcdiv", "threshold_backward", "gelu_backward", "tanh_backward", "sigmoid_backward", "min.other", "max.other",
-)
 
-ELEMENTWISE_INPLACE = _ops(
-    "add_.Tensor", "add_.Scalar", "sub_.Tensor", "sub_.Scalar", "mul_.Tensor", "mul_.Scalar", "div_.Tensor",
-    "div_.Scalar", "neg_", "clamp_", "clamp_min_", "masked_fill_.Scalar", "masked_fill_.Tensor", "lerp_.Scalar",
-    "lerp_.Tensor", "addcmul_", "addcdiv_", "sqrt_", "exp_", "relu_", "tanh_", "sigmoid_", "pow_.Scalar",
-)
-
-MEMORY = _ops(
-    "embedding", "index_select", "cat", "stack", "clone", "gather", "index.Tensor", "fill_.Scalar",
-    "fill_.Tensor", "zero_", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
-    "new_full", "new_empty", "new_empty_strided", "empty.memory_format", "empty_strided", "contiguous", "repeat", "flip", "roll", "constant_pad_nd", "scatter.src", "scatter.value",
-    "index_put_", "index_put", "_index_put_impl_", "slice_scatter", "select_scatter", "masked_select",
-    "nonzero", "arange.start_step", "arange.default", "arange.start", "expand_copy", "_to_copy",
-    "lift_fresh", "lift_fresh_copy", "alias", "detach", "split_with_sizes_copy", "embedding_dense_backward",
-    "tril_indices", "triu_indices", "scalar_tensor", "full", "zeros", "ones",
-)
-
-# Queries that read metadata or a single value and change nothing on the device.
-FREE = _ops("_unsafe_view", "_local_scalar_dense", "is_same_size", "equal", "is_nonzero", "sym_size.int", "sym_stride.int",
-            "sym_numel", "sym_storage_offset", "_has_compatible_shallow_copy_type", "set_.source_Storage_storage_offset")
+def _in_place(func) -> bool:
+    """An in-place variant (`add_`), not a dunder (`__and__`)."""
+    base = func._schema.name.split("::")[-1]
+    return base.endswith("_") and not base.endswith("__")
 
 
 def _nested(func, args, uargs, ukwargs):
@@ -740,28 +697,21 @@ def _nested(func, args, uargs, ukwargs):
         "or call torch.backends.mha.set_fastpath_enabled(False)")
 
 
-# Ops whose results the device cannot hold: a clear error instead of one from deep inside PyTorch.
-NOT_ON_DEVICE = _ops("_nested_tensor_from_mask", "_nested_tensor_from_tensor_list", "nested_tensor",
-                     "_nested_from_padded", "_nested_from_padded_and_nested_example")
-
-
 def runner_for(func, is_view: bool):
-    """The runner for an op, decided once per OpOverload; None = a free op (plain call)."""
-    if is_view or func in FREE:
+    """The runner for an op, decided once per OpOverload from placement.ATEN; None = a free op
+    (plain call)."""
+    unit = placement.aten_unit(func.name())
+    if is_view or unit == "free":
         return None
-    if func in NOT_ON_DEVICE:
+    if unit == "refused":
         return _nested
-    if func in CROSSBAR:
-        r = _guard(CROSSBAR[func])
-        r.where = "crossbar"
+    if unit in ("crossbar", "engine"):
+        r = _guard(KERNELS[func])
+        r.where = unit
         return r
-    if func in ENGINE:
-        return _guard(ENGINE[func])
-    if func in ELEMENTWISE:
-        return _guard(elementwise)
-    if func in ELEMENTWISE_INPLACE:
-        return _guard(elementwise_inplace)
-    if func in MEMORY:
+    if unit == "elementwise":
+        return _guard(elementwise_inplace if _in_place(func) else elementwise)
+    if unit == "memory":
         r = _guard(memory)
         r.where = "memory"
         return r

@@ -151,24 +151,68 @@ def _sidra_core_names(path) -> set:
     return out - {""}
 
 
-def test_torch_compile_is_translated_to_sidra_jax_not_placed_priced_or_rounded_itself():
+def test_torch_compile_is_translated_to_sidra_jax_not_priced_or_rounded_itself():
     """The compiler lowers aten to JAX and hands the graph to sidra_jax's planner and executor:
-    it imports none of sidra_core's placement, pricing or engine modules."""
+    of sidra_core it reads only the placement table, none of the pricing or engine modules."""
     for path in sorted((ROOT / "sidra_torch/compiler").glob("*.py")):
         used = _sidra_core_names(path.relative_to(ROOT))
-        assert not used & {"placement", "ops", "cost", "graph_cost", "engine", "crossbar", "conv"}, (path, used)
+        assert not used & {"ops", "cost", "graph_cost", "engine", "crossbar", "conv"}, (path, used)
     program = (ROOT / "sidra_torch/compiler/program.py").read_text()
     assert "from sidra_jax import plan" in program and "from sidra_jax.execute import executor" in program
 
 
-def test_the_frontends_place_by_sidra_core_placement():
-    for path in ("sidra_torch/dispatch.py", "sidra_jax/plan.py"):
+_UNIT_TABLES = {"CROSSBAR", "ENGINE", "ELEMENTWISE", "ELEMENTWISE_INPLACE", "MEMORY", "FREE", "NOT_ON_DEVICE",
+                "ENGINE_PRIMS", "ENGINE_CALLS", "WEIGHT_VIEWS"}
+
+
+def test_the_frontends_place_by_one_table():
+    """Eager dispatch, torch.compile's lowering and sidra_jax's planner look units up in
+    sidra_core.placement; none keeps an op-class table of its own."""
+    for path, lookup in (("sidra_torch/dispatch.py", "aten_unit"), ("sidra_torch/compiler/lowering.py", "aten_unit"),
+                         ("sidra_jax/plan.py", "jax_unit")):
         tree = ast.parse((ROOT / path).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "sidra_core"
                     for a in n.names}
         calls = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
                  and n.value.id == "placement"}
-        assert "placement" in imported and "matmul" in calls, path
+        assert "placement" in imported and lookup in calls, path
+        defined = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                   for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        assert not defined & _UNIT_TABLES, (path, defined & _UNIT_TABLES)
+    for path in ("sidra_torch/dispatch.py", "sidra_jax/plan.py"):
+        assert "matmul" in {n.attr for n in ast.walk(ast.parse((ROOT / path).read_text()))
+                            if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "placement"}, path
+
+
+def test_the_placement_table_names_real_ops_and_eager_has_a_kernel_for_each_unit_op():
+    """Every aten name in placement.ATEN is an op of this torch (a typo would silently send it to
+    the host), the crossbar and engine ones are exactly the ops eager dispatch has kernels for, and
+    every primitive class is one the planner handles."""
+    import torch
+
+    from sidra_core import placement
+    from sidra_torch import dispatch
+
+    def op_of(name):
+        ns, _, rest = name.rpartition("::")
+        base, _, overload = rest.partition(".")
+        return getattr(getattr(getattr(torch.ops, ns or "aten"), base), overload or "default")
+
+    missing = []
+    for name in placement.ATEN:
+        try:
+            op_of(name)
+        except AttributeError:
+            missing.append(name)
+    assert not missing
+    kernels = {placement.ATEN.get(op.name().removeprefix("aten::")) for op in dispatch.KERNELS}
+    assert kernels == {"crossbar", "engine"}
+    units = {n for n, u in placement.ATEN.items() if u in ("crossbar", "engine")}
+    assert units == {op.name().removeprefix("aten::") for op in dispatch.KERNELS}
+    assert set(placement.JAX.values()) == {"free", "memory", "elementwise", "engine"}
+    assert {n for n, u in placement.JAX.items() if u == "engine"} == set(placement.JAX_ENGINE)
+    assert placement.JAX_WEIGHT_VIEWS <= {n for n, u in placement.JAX.items() if u == "free"}
+    assert placement.aten_unit("aten::sort") == placement.jax_unit("sort") == "host"
 
 
 def test_a_product_of_two_weights_runs_on_the_engine_in_every_frontend():

@@ -385,24 +385,25 @@ def test_compiled_program_runs_on_one_torch_thread(int8, monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_the_compiler_places_every_op_where_eager_dispatch_does():
-    """torch.compile's lowering table puts each aten op on the unit eager dispatch runs it on (ops
-    eager never receives on the device excepted: the CPU kernels a graph can hold, Python's getitem)."""
+def test_the_compiler_lowers_only_ops_eager_dispatch_keeps_on_the_device():
+    """Every aten op with a lowering is one that eager dispatch runs on the device (or a view, or
+    an op eager never receives: the CPU kernels a graph can hold, Python's getitem); its device op
+    kind is placement.ATEN's, so a lowered op never runs on the host in eager mode."""
     from sidra_torch import dispatch
     from sidra_torch.compiler import lowering
 
-    units = {"crossbar": "crossbar", "engine": "engine", "elementwise": "engine", "memory": "memory", "free": None}
     only_compiled = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-    apart = []
-    for op, low in lowering.TABLE.items():
-        if low.kind == "matmul" or not isinstance(op, torch._ops.OpOverload) or op in only_compiled:
-            continue  # matmuls: by their operands (sidra_core.placement)
+    on_host = []
+    for op in lowering.TABLE:
+        if not isinstance(op, torch._ops.OpOverload) or op in only_compiled:
+            continue
         runner = dispatch.runner_for(op, op.is_view or torch.Tag.inplace_view in op.tags)
-        eager = None if runner is None else runner.where
-        if eager != units[low.kind]:
-            apart.append((str(op), eager, low.kind))
-    assert not apart
+        if runner is not None and runner.where == "host":
+            on_host.append(str(op))
+    assert not on_host
     assert len(lowering.TABLE) > 100  # the scan sees the table
+    with pytest.raises(ValueError, match="placement.ATEN puts it on 'host'"):
+        lowering._reg_device_op(torch.ops.aten.sort.default, lambda node, x: x)
 
 
 def test_float_attributes_dynamo_leaves_unspecialised_are_specialised_per_plan(int8):

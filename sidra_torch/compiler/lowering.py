@@ -11,8 +11,8 @@ views are free. An op missing here has no lowering: the graph splits around
 it and it runs eagerly (dispatch decides where).
 
 A lowering is `fn(node, *args, **kwargs) -> jax value(s)`; `node` gives the
-result's dtype. Its `kind` says which unit eager dispatch runs the op on
-(free, memory, elementwise or engine; matmul: by its operands).
+result's dtype. Which device op an element-wise or data-movement op becomes is
+`sidra_core.placement.ATEN`'s, the table eager dispatch reads.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import sidra_jax.nn as snn
+from sidra_core import placement
 
 aten = torch.ops.aten
 
@@ -45,20 +46,28 @@ def jnp_dtype(dt: torch.dtype):
 @dataclass(frozen=True)
 class Lowering:
     fn: Callable
-    kind: str  # free | memory | elementwise | engine | matmul
     when: Callable | None = None  # (node) -> bool: the lowering applies to this call (else: eager)
 
 
 TABLE: dict = {}
 
 
-def _reg(ops, kind, when=None):
+def _reg(ops, when=None):
     def deco(fn):
         for op in ops if isinstance(ops, (list, tuple)) else [ops]:
-            TABLE[op] = Lowering(fn, kind, when)
+            TABLE[op] = Lowering(fn, when)
         return fn
 
     return deco
+
+
+def _reg_device_op(ops, f):
+    """`f` as the one device op (element-wise or data movement) placement.ATEN makes each op."""
+    for op in ops if isinstance(ops, (list, tuple)) else [ops]:
+        unit = placement.aten_unit(op.name())
+        if unit not in ("elementwise", "memory"):
+            raise ValueError(f"{op}: placement.ATEN puts it on {unit!r}, not the engine's vector unit or memory")
+        TABLE[op] = Lowering(_device_op(unit, f))
 
 
 def out_dtype(node):
@@ -110,39 +119,39 @@ def _dim(d, nd):
     return d + nd if d < 0 else d
 
 
-@_reg([aten.view.default, aten._unsafe_view.default, aten.reshape.default], "free")
+@_reg([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(node, x, shape):
     return jnp.reshape(x, tuple(int(s) for s in shape))
 
 
-@_reg(aten.t.default, "free")
+@_reg(aten.t.default)
 def _t(node, x):
     return x.T if x.ndim == 2 else x
 
 
-@_reg(aten.transpose.int, "free")
+@_reg(aten.transpose.int)
 def _transpose(node, x, d0, d1):
     return jnp.swapaxes(x, d0, d1)
 
 
-@_reg(aten.permute.default, "free")
+@_reg(aten.permute.default)
 def _permute(node, x, dims):
     return jnp.transpose(x, tuple(_dim(d, x.ndim) for d in dims))
 
 
-@_reg(aten.expand.default, "free")
+@_reg(aten.expand.default)
 def _expand(node, x, sizes, implicit=False):
     lead = len(sizes) - x.ndim
     shape = tuple(x.shape[i - lead] if s == -1 else int(s) for i, s in enumerate(sizes))
     return jnp.broadcast_to(x, shape)
 
 
-@_reg(aten.unsqueeze.default, "free")
+@_reg(aten.unsqueeze.default)
 def _unsqueeze(node, x, d):
     return jnp.expand_dims(x, _dim(d, x.ndim + 1))
 
 
-@_reg([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default], "free")
+@_reg([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default])
 def _squeeze(node, x, dims=None):
     if dims is None:
         return jnp.squeeze(x)
@@ -150,7 +159,7 @@ def _squeeze(node, x, dims=None):
     return jnp.squeeze(x, tuple(_dim(d, x.ndim) for d in dims if x.shape[_dim(d, x.ndim)] == 1))
 
 
-@_reg(aten.slice.Tensor, "free")
+@_reg(aten.slice.Tensor)
 def _slice(node, x, dim=0, start=None, end=None, step=1):
     dim = _dim(dim, x.ndim)
     idx = [slice(None)] * x.ndim
@@ -158,13 +167,13 @@ def _slice(node, x, dim=0, start=None, end=None, step=1):
     return x[tuple(idx)]
 
 
-@_reg(aten.select.int, "free")
+@_reg(aten.select.int)
 def _select(node, x, dim, index):
     dim = _dim(dim, x.ndim)
     return jax.lax.index_in_dim(x, index % x.shape[dim], dim, keepdims=False)
 
 
-@_reg([aten.split.Tensor, aten.split_with_sizes.default], "free")
+@_reg([aten.split.Tensor, aten.split_with_sizes.default])
 def _split(node, x, sizes, dim=0):
     dim = _dim(dim, x.ndim)
     if isinstance(sizes, int):
@@ -173,18 +182,18 @@ def _split(node, x, sizes, dim=0):
                  for a, s in zip(np.cumsum([0, *sizes[:-1]]), sizes))
 
 
-@_reg(aten.unbind.int, "free")
+@_reg(aten.unbind.int)
 def _unbind(node, x, dim=0):
     dim = _dim(dim, x.ndim)
     return tuple(jax.lax.index_in_dim(x, i, dim, keepdims=False) for i in range(x.shape[dim]))
 
 
-@_reg([aten.alias.default, aten.detach.default], "free")
+@_reg([aten.alias.default, aten.detach.default])
 def _alias(node, x):
     return x
 
 
-@_reg(operator.getitem, "free")
+@_reg(operator.getitem)
 def _getitem(node, seq, i):
     return seq[i]
 
@@ -195,7 +204,7 @@ def _getitem(node, seq, i):
 
 def _memory(ops):
     def deco(f):
-        _reg(ops, "memory")(_device_op("memory", f))
+        _reg_device_op(ops, f)
         return f
 
     return deco
@@ -273,7 +282,7 @@ def _full_like(node, x, fill=None, **_):
 
 
 def _elementwise(ops, f):
-    _reg(ops, "elementwise")(_device_op("elementwise", lambda node, *a, **k: _cast(f(*a, **k), node)))
+    _reg_device_op(ops, lambda node, *a, **k: _cast(f(*a, **k), node))
 
 
 def _alpha(f):
@@ -340,28 +349,28 @@ _UNARY = {aten.relu.default: snn.relu, aten.tanh.default: snn.tanh, aten.sigmoid
           aten.silu.default: snn.silu}
 
 
-@_reg(list(_UNARY), "engine")
+@_reg(list(_UNARY))
 def _unary(node, x, *_, **__):
     return _cast(_UNARY[node.target](_f32(x)), node)
 
 
-@_reg(aten.gelu.default, "engine")
+@_reg(aten.gelu.default)
 def _gelu(node, x, approximate="none"):
     return _cast(snn.gelu(_f32(x), approximate=approximate == "tanh"), node)
 
 
-@_reg([aten._softmax.default, aten._log_softmax.default], "engine")
+@_reg([aten._softmax.default, aten._log_softmax.default])
 def _softmax(node, x, dim, half_to_float=False):
     f = snn.log_softmax if node.target is aten._log_softmax.default else snn.softmax
     return _cast(f(_f32(x), axis=int(dim)), node)
 
 
-@_reg(aten._safe_softmax.default, "engine")
+@_reg(aten._safe_softmax.default)
 def _safe_softmax(node, x, dim, dtype=None):
     return _cast(snn.softmax(_f32(x), axis=int(dim), safe=True), node)
 
 
-@_reg(aten._scaled_dot_product_flash_attention_for_cpu.default, "engine")
+@_reg(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _attention(node, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     """Attention the capture kept whole (program.DECOMPOSITIONS): the engine's attention op. The
     logsumexp output (for a backward pass) is not computed."""
@@ -371,7 +380,7 @@ def _attention(node, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None,
     return y, jnp.zeros(tuple(lse.shape), jnp_dtype(lse.dtype))
 
 
-@_reg(aten.native_layer_norm.default, "engine")
+@_reg(aten.native_layer_norm.default)
 def _layer_norm(node, x, shape, w, b, eps):
     # with mean and 1/std: the statistics autograd would save (dead in an inference graph)
     y, mean, rstd = snn.layer_norm(_f32(x), None if w is None else _f32(w), None if b is None else _f32(b),
@@ -379,7 +388,7 @@ def _layer_norm(node, x, shape, w, b, eps):
     return y.astype(x.dtype), mean, rstd
 
 
-@_reg(aten._native_batch_norm_legit_no_training.default, "engine")
+@_reg(aten._native_batch_norm_legit_no_training.default)
 def _batch_norm(node, x, w, b, rm, rv, momentum, eps):
     y = snn.batch_norm(_f32(x), _f32(rm), _f32(rv), None if w is None else _f32(w), None if b is None else _f32(b),
                        eps=float(eps))
@@ -387,7 +396,7 @@ def _batch_norm(node, x, w, b, rm, rv, momentum, eps):
     return y.astype(x.dtype), empty, empty
 
 
-@_reg(aten.native_batch_norm.default, "engine", when=lambda n: not n.args[5])
+@_reg(aten.native_batch_norm.default, when=lambda n: not n.args[5])
 def _native_batch_norm(node, x, w, b, rm, rv, training, momentum, eps):
     """Inference only: training batch norm (batch statistics) runs eagerly, on the host."""
     return _batch_norm(node, x, w, b, rm, rv, momentum, eps)
@@ -397,12 +406,12 @@ def _native_batch_norm(node, x, w, b, rm, rv, training, momentum, eps):
 # matmuls: sidra_jax places them (a weight operand: the crossbars, else the engine's INT8 MACs)
 
 
-@_reg([aten.mm.default, aten.bmm.default], "matmul")
+@_reg([aten.mm.default, aten.bmm.default])
 def _mm(node, a, b):
     return _cast(jnp.matmul(a, b), node)
 
 
-@_reg(aten.addmm.default, "matmul", when=lambda n: n.kwargs.get("beta", 1) == 1 and n.kwargs.get("alpha", 1) == 1)
+@_reg(aten.addmm.default, when=lambda n: n.kwargs.get("beta", 1) == 1 and n.kwargs.get("alpha", 1) == 1)
 def _addmm(node, bias, a, b, beta=1, alpha=1):
     return _cast(jnp.matmul(a, b) + bias, node)
 
@@ -416,7 +425,7 @@ def _plain_conv(n) -> bool:
     return not n.args[6] and not isinstance(n.args[4], str) and w is not None and w.dim() in _CONV_LAYOUTS
 
 
-@_reg(aten.convolution.default, "matmul", when=_plain_conv)
+@_reg(aten.convolution.default, when=_plain_conv)
 def _convolution(node, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     y = jax.lax.conv_general_dilated(x, w, tuple(stride), [(int(p), int(p)) for p in padding],
                                      rhs_dilation=tuple(dilation), dimension_numbers=_CONV_LAYOUTS[w.ndim],
