@@ -22,7 +22,7 @@ def map_blocks(fn, arrays, fills, size: int = BLOCK):
 
     Blocks are `size` elements, or for a smaller input the smallest of 4096 x 8^k
     that holds it, so a shrinking input does not pay for a full block and few
-    block sizes (each a kernel to trace and compile, up to ~1 s for ISPP's) are
+    block sizes (each a kernel to trace and compile) are
     used; the last block is padded with `fills`. The outputs come back with the
     inputs' shape, as a list (one per kernel output).
     """

@@ -71,7 +71,7 @@ def take(y, shape, out_shape=None) -> jax.Array:
 def put(a: np.ndarray) -> jax.Array:
     """A host array as a jax.Array through DLPack (a fresh writeable copy is shared, a view copied):
     committed to the CPU as the bridges' arrays are, since a kernel's compiled program is cached per
-    argument placement too; ~10x faster than jax.device_put."""
+    argument placement too; faster than jax.device_put."""
     if not (a.flags.writeable and a.flags.c_contiguous):
         a = np.array(a)
     return dlpack.to_jax(a)

@@ -20,10 +20,24 @@ COUNTS = ("mvms", "tile_reads", "engine_ops", "memory_ops", "pulses", "cells_pro
 
 @dataclass(frozen=True)
 class Counters:
-    """Everything the device has done since the last reset (immutable; `charge` returns a new one)."""
+    """Everything the device has done since the last reset (immutable; `charge` returns a new one).
 
-    cost: Cost = ZERO  # cost.latency_s is the busy time the device spent on operations
-    idle_s: float = 0.0  # time advanced by the user (drift studies), not spent working
+    Attributes:
+        cost: Latency and energy by component; `cost.latency_s` is the busy time spent on operations.
+        idle_s: Time advanced by the user (drift studies), not spent working.
+        mvms: Crossbar MVMs.
+        tile_reads: Tile reads (an MVM reads each of its weight's tiles once per input row).
+        engine_ops: Compute-engine ops.
+        memory_ops: Device-memory ops.
+        pulses: Write-verify pulses.
+        cells_programmed: Cells written.
+        fallback_ops: Ops that ran on the host.
+        host_transfers: Transfers over the host link.
+        host_bytes: Bytes over the host link.
+    """
+
+    cost: Cost = ZERO
+    idle_s: float = 0.0
     mvms: int = 0
     tile_reads: int = 0
     engine_ops: int = 0
@@ -71,6 +85,9 @@ class DeviceClock:
     back: `reset_counters` zeroes the counts and energy but keeps the time,
     because programmed cells keep drifting. `background_w` (W) is charged over busy time (the
     Chip sets it from its spec); idle time is not: RRAM keeps its weights unpowered.
+
+    Args:
+        background_w: The chip's background power while busy (W).
     """
 
     def __init__(self, background_w: float = 0.0):

@@ -17,7 +17,18 @@ from .crossbar import Snapshot, mvm
 
 
 def weight_matrix(w, groups: int = 1) -> np.ndarray:
-    """(C_out, C_in/g, *k) conv weight -> (C_in * prod(k), C_out) crossbar matrix."""
+    """(C_out, C_in/g, *k) conv weight -> (C_in * prod(k), C_out) crossbar matrix.
+
+    Args:
+        w: The convolution weight (C_out, C_in / groups, *kernel).
+        groups: Channel groups; the matrix is block-diagonal over them.
+
+    Returns:
+        The float32 (C_in * prod(kernel), C_out) matrix.
+
+    Raises:
+        ValueError: `groups` does not divide the output channels.
+    """
     w = np.asarray(w, np.float32)
     c_out, c_in_g = w.shape[:2]
     if groups < 1 or c_out % groups:
@@ -41,9 +52,25 @@ def _norm(v, nd: int, name: str) -> tuple[int, ...]:
 @host.jit(static_argnames=("kernel", "stride", "padding", "dilation", "lhs_dilation", "dac_bits", "adc_bits"))
 def conv(snap: Snapshot, x, seed=None, bias=None, *, kernel, stride, padding, dilation, lhs_dilation=None,
          dac_bits=8, adc_bits=8):
-    """N-d convolution (x: (N, C_in, *spatial)) as crossbar MVMs over im2col patches. `padding`: a
-    width per axis or (low, high) pairs; `lhs_dilation`: input dilation (JAX's transposed conv), the
-    zeros between input positions are zero DAC inputs."""
+    """N-d convolution (x: (N, C_in, *spatial)) as crossbar MVMs over im2col patches.
+
+    Args:
+        snap: The snapshot of the weight's crossbar matrix (`conv_weight_matrix`).
+        x: Inputs (N, C_in, *spatial).
+        seed: The read's uint32 noise seed, as `mvm` takes it.
+        bias: Added per output channel, as `mvm` takes it.
+        kernel: The kernel's spatial shape.
+        stride: Window strides, one per spatial axis.
+        padding: A width per axis, or (low, high) pairs.
+        dilation: Kernel dilation, one per spatial axis.
+        lhs_dilation: Input dilation (JAX's transposed conv): the zeros between input positions
+            are zero DAC inputs.
+        dac_bits: DAC resolution; None: no DAC.
+        adc_bits: ADC resolution.
+
+    Returns:
+        y (N, C_out, *out_spatial), float32.
+    """
     patches = lax.conv_general_dilated_patches(
         x.astype(jnp.float32), filter_shape=kernel, window_strides=stride,
         padding=tuple(p if isinstance(p, tuple) else (p, p) for p in padding), lhs_dilation=lhs_dilation,
@@ -57,7 +84,20 @@ def conv(snap: Snapshot, x, seed=None, bias=None, *, kernel, stride, padding, di
 
 
 def conv_args(w_shape, stride=1, padding=0, dilation=1) -> dict:
-    """Normalise conv hyper-parameters for `conv` from the weight shape."""
+    """Normalise conv hyper-parameters for `conv` from the weight shape.
+
+    Args:
+        w_shape: The weight's shape (C_out, C_in / groups, *kernel), 1-, 2- or 3-d.
+        stride: One int for every axis, or one per axis.
+        padding: One int for every axis, or one per axis.
+        dilation: One int for every axis, or one per axis.
+
+    Returns:
+        `conv`'s keyword arguments: kernel, stride, padding and dilation as tuples.
+
+    Raises:
+        ValueError: The weight is not 3-, 4- or 5-d, or a parameter has the wrong length.
+    """
     nd = len(w_shape) - 2
     if nd not in (1, 2, 3):
         raise ValueError(f"convolution weight must be 3-, 4- or 5-d, got shape {tuple(w_shape)}")

@@ -26,7 +26,21 @@ COMPONENTS = ("dac", "array", "adc", "accum", "engine", "memory", "host", "chip_
 
 @dataclass(frozen=True)
 class Cost:
-    """Latency (s) and energy (J) by component of one operation or a sequence of them."""
+    """Latency (s) and energy (J) by component of one operation or a sequence of them.
+
+    Attributes:
+        latency_s: Device time (s).
+        dac: Energy of the input DAC conversions (J).
+        array: Energy of the crossbar cell reads (J).
+        adc: Energy of the column ADC conversions (J).
+        accum: Energy of the digital partial-sum accumulation (J).
+        engine: Energy of the compute engine's ops (J).
+        memory: Energy of device memory and SRAM traffic (J).
+        host: Energy of the host link (J).
+        chip_link: Energy of the inter-chip link (J).
+        programming: Energy of write-verify pulses (J).
+        background: The chip's background power over this op's latency (J).
+    """
 
     latency_s: float = 0.0
     dac: float = 0.0
@@ -38,7 +52,7 @@ class Cost:
     host: float = 0.0
     chip_link: float = 0.0
     programming: float = 0.0
-    background: float = 0.0  # the chip's background power over this op's latency
+    background: float = 0.0
 
     def __post_init__(self):
         # Energies as a tuple, in COMPONENTS order: what a clock adds up on every op.

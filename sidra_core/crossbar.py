@@ -111,13 +111,21 @@ def _times(t: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ProgrammingReport:
-    """What one (re)programming did: cells written, pulses, and the endurance state."""
+    """What one (re)programming did: cells written, pulses, and the endurance state.
+
+    Attributes:
+        cells_written: Cells written.
+        pulses: Write-verify pulses given.
+        max_pulses_cell: The most pulses one cell took.
+        max_writes_cell: The most writes (pulses over its life) of one cell.
+        endurance_exceeded: Cells past the endurance limit.
+    """
 
     cells_written: int
     pulses: int
     max_pulses_cell: int
     max_writes_cell: int
-    endurance_exceeded: int  # cells past the endurance limit
+    endurance_exceeded: int
 
     def __add__(self, other: "ProgrammingReport") -> "ProgrammingReport":
         return ProgrammingReport(
@@ -248,6 +256,22 @@ def program(
     Fresh cells start at G_min; ISPP writes every cell towards its target.
     The physical tiles (`tile_ids`, one per grid tile, or consecutive from
     `first_tile`) fix the stuck cells together with the chip seed.
+
+    Args:
+        w: The K x N float weight (quantised to INT8 unless the chip holds float weights).
+        spec: The chip (required).
+        seed: This programming's seed (write-verify, relaxation and drift draws).
+        t_now: Device time of the write (s): the cells' programming time.
+        first_tile: The first physical tile, when `tile_ids` is not given.
+        tile_ids: The physical tile of each grid tile, row-major over (grid_k, grid_n).
+        quantised: INT8 codes and scales to write instead of `w`.
+
+    Returns:
+        The ProgrammedWeight, its `programming` report included.
+
+    Raises:
+        ValueError: No spec, no weight, a weight that is not 2-D or holds NaN or Inf, or a wrong
+            number of tile ids.
     """
     if spec is None:
         raise ValueError("program() needs a ChipSpec")
@@ -337,6 +361,20 @@ def reprogram(
     its weight scale (a fine-tuning step moves codes, not the calibration)
     unless the new weight would saturate it, then the scale grows; given
     INT8 codes and scales are used as they are.
+
+    Args:
+        state: The weight as programmed now.
+        w: The new K x N float weight, of the programmed shape.
+        spec: The chip (required).
+        seed: This programming's seed.
+        t_now: Device time of the write (s).
+        quantised: INT8 codes and scales to write instead of `w`.
+
+    Returns:
+        The new ProgrammedWeight, whose `programming` report is this write's.
+
+    Raises:
+        ValueError: No spec, or a weight of another shape or holding NaN or Inf.
     """
     if spec is None:
         raise ValueError("reprogram() needs a ChipSpec")
@@ -407,7 +445,7 @@ def _merge(old: np.ndarray, new, hit: np.ndarray, sel: np.ndarray) -> np.ndarray
 
 
 # The two planes of a weight are written at once: most of a plane's host work (NumPy compaction
-# and scatter) releases the GIL, so the planes overlap on two cores (~1.4x on one BERT layer).
+# and scatter) releases the GIL, so the planes overlap on two cores.
 _PLANES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sidra-plane")
 
 
@@ -480,8 +518,8 @@ class Snapshot:
     integers (int8, or float32 where int8 dots are slow): exactly (INT8 codes
     without drift) or as a (whole, fraction) pair side by side, (rows, 2N) (see
     `_device_tiles`); one array per tile, as
-    XLA:CPU copies a slice of a stacked array before each matmul (~20 % of an
-    MVM), or for a narrow weight one block-diagonal array of all tiles (see
+    XLA:CPU copies a slice of a stacked array before each matmul, or for a
+    narrow weight one block-diagonal array of all tiles (see
     _NARROW), or all tiles packed in one array for the VNNI kernel (`shape.packed`,
     with `corr` its column corrections; see sidra_core.vnni); `var` the per-cell
     read-noise variance in the same units (for INT8 codes, integer levels of the
@@ -542,14 +580,23 @@ class Snapshot:
             q = jnp.matmul(x, w)
             return _join(q) if self.shape.terms == 2 else q
         # INT8 x INT8 products summed in int32 are exact (256 rows x 127 x 127 < 2^31), and
-        # with AMX XLA:CPU's int8 dot is the fastest it has: 1.4-1.8x its bfloat16 dot, 4-7x
-        # its float32 one. A (whole, fraction) pair is one dot over both halves side by side.
+        # with AMX XLA:CPU's int8 dot is the fastest it has. A (whole, fraction) pair is one dot
+        # over both halves side by side.
         q = jnp.matmul(x, w, preferred_element_type=jnp.int32)
         return _join(q) if self.shape.terms == 2 else q.astype(jnp.float32)
 
 
 def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
-    """Conductances at device time `t_now`: G(t) = G_prog ((t - t_prog + t0)/t0)^-nu."""
+    """Conductances at device time `t_now`: G(t) = G_prog ((t - t_prog + t0)/t0)^-nu.
+
+    Args:
+        state: The programmed weight.
+        t_now: Device time (s).
+        spec: The chip, for its drift parameters.
+
+    Returns:
+        (G+, G-): the two planes' conductances (S), (Kp, Np) each; the stored ones without drift.
+    """
     if not spec.drifts:
         return state.g_plus, state.g_minus
     return _drift(state, _log_ages(state, t_now, spec))
@@ -611,7 +658,16 @@ def _ir_factor(a: float, g_max: float, gp, gm, grid: TileGrid):
 
 
 def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
-    """Evaluate drift, IR drop and compensation once; MVMs at this time reuse it."""
+    """Evaluate drift, IR drop and compensation once; MVMs at this time reuse it.
+
+    Args:
+        state: The programmed weight.
+        t_now: Device time of the read (s).
+        spec: The chip.
+
+    Returns:
+        The Snapshot that `mvm` reads.
+    """
     grid = state.grid
     n = spec.noise
     drift = spec.drifts
@@ -739,7 +795,7 @@ def _join(q):
 
 
 # A weight with several tiles along K but few columns (a classifier head: 1024 x 10 is 4 tiles of
-# 10 columns) pays XLA:CPU's fixed cost per matmul (~0.1 ms) on every tile for a few kFLOP each.
+# 10 columns) pays XLA:CPU's fixed cost per matmul on every tile for a few kFLOP each.
 # Held as one block-diagonal array (tile i's rows meet column block i), one matmul gives every
 # tile's partial sums at once; the zero blocks add exact zeros. Used while grid_k x N <= _NARROW.
 _NARROW = 512
@@ -858,11 +914,10 @@ def _read_tiles(snap: Snapshot, x2, seed, qmax: float):
         xp = jnp.pad(x2, ((0, 0), (0, grid_k * s.rows - s.k)))
         p_all = snap.partial_sums(snap.lhs(xp), 0, grid_k * s.rows)
         v_all = None if snap.var is None else _variance(xp, snap.var[0], _step(snap, 0))
-    # One tile after another (unrolled; XLA:CPU's batched matmul is ~2x slower than separate
-    # ones), so each tile's partial sums, noise, ADC and accumulation form one chain with a single
-    # consumer, which XLA fuses into one pass instead of materialising every tile's noisy sums
-    # (~40 % faster than batched). The last tile's unused word lines (K not a multiple of the
-    # tile) carry zero inputs: skipped.
+    # One tile after another (unrolled: XLA:CPU's batched matmul is slower than separate ones),
+    # so each tile's partial sums, noise, ADC and accumulation form one chain with a single
+    # consumer, which XLA fuses into one pass instead of materialising every tile's noisy sums.
+    # The last tile's unused word lines (K not a multiple of the tile) carry zero inputs: skipped.
     y = None
     xl = snap.lhs(x2)
     z = None
@@ -910,6 +965,21 @@ def mvm(snap: Snapshot, x, seed=None, bias=None, *, dac_bits: int | None = 8, ad
     distribution: independent per-cell noise adds to a column sum a Gaussian
     of variance sum_i x_i^2 sigma_i^2, one extra matmul. `seed` (uint32)
     picks this read's noise.
+
+    Args:
+        snap: The weight's snapshot at the read's device time.
+        x: Inputs (..., K).
+        seed: The read's uint32 noise seed (required where the chip has read noise).
+        bias: Added to the result: per column (N,), or anything that broadcasts to (..., N).
+        dac_bits: DAC resolution; None: no DAC (float inputs).
+        adc_bits: ADC resolution.
+
+    Returns:
+        y (..., N), float32.
+
+    Raises:
+        ValueError: Inputs of another K, no seed for a noisy chip, or DAC codes wider than the
+            snapshot's int8 weights (see `mvm_kwargs`).
     """
     s = snap.shape
     lead = x.shape[:-1]
@@ -954,12 +1024,31 @@ def mvm_direct(snap: Snapshot, x: np.ndarray, seed: int, bias=None, *, dac_bits:
 
 
 def mvm_kwargs(spec: ChipSpec) -> dict:
-    """The static kernel settings a chip implies."""
+    """The static kernel settings a chip implies.
+
+    Args:
+        spec: The chip.
+
+    Returns:
+        `mvm`'s keyword arguments: {"dac_bits": ..., "adc_bits": ...} (dac_bits None without a DAC).
+    """
     return {"dac_bits": spec.dac.bits if spec.dac.enabled else None, "adc_bits": spec.adc.bits}
 
 
 def linear(state_or_snap, x, spec: ChipSpec, *, seed: int = 0, bias=None, t_now: float = 0.0):
-    """Convenience: snapshot (if given a programmed state) and run the MVM."""
+    """Convenience: snapshot (if given a programmed state) and run the MVM.
+
+    Args:
+        state_or_snap: A ProgrammedWeight (read at `t_now`) or a Snapshot.
+        x: Inputs (..., K).
+        spec: The chip.
+        seed: The read's noise seed.
+        bias: Added to the result, as `mvm` takes it.
+        t_now: Device time of the read (s), for a ProgrammedWeight.
+
+    Returns:
+        y (..., N), float32.
+    """
     snap = state_or_snap if isinstance(state_or_snap, Snapshot) else snapshot(state_or_snap, t_now, spec)
     return mvm(snap, x, np.uint32(seed), bias, **mvm_kwargs(spec))
 

@@ -31,18 +31,31 @@ _DRIFT_REUSE_TOL = 1e-4
 
 
 class EnduranceWarning(UserWarning):
-    """Some cells were written more often than their endurance allows."""
+    """Some cells were written more often than their endurance allows.
+
+    Args:
+        message: How many cells, and the endurance they passed.
+    """
 
 
 @dataclass
 class Resident:
-    """A weight programmed on the chip, with its cached read snapshot."""
+    """A weight programmed on the chip, with its cached read snapshot.
+
+    Attributes:
+        name: The weight's name (profiler rows, error messages).
+        state: Its programmed state on its tiles.
+        snap: The cached read snapshot, or None until the next read makes one.
+        snap_time: The device time the snapshot was taken at.
+        version: The bridge's change marker (e.g. a tensor version counter).
+        freed: Its tiles were released (`Chip.free`).
+    """
 
     name: str
     state: crossbar.ProgrammedWeight
     snap: crossbar.Snapshot | None = None
     snap_time: float = -1.0
-    version: object = None  # the bridge's change marker (e.g. a tensor version counter)
+    version: object = None
     freed: bool = False
 
     @property
@@ -64,7 +77,15 @@ class Resident:
 
 @dataclass
 class Chip:
-    """One SIDRA system (one or more chips of the same spec) as the bridges see it."""
+    """One SIDRA system (one or more chips of the same spec) as the bridges see it.
+
+    Made by `Chip.create(chip, seed, **overrides)` from a preset name, TOML path or ChipSpec.
+
+    Attributes:
+        spec: What the chip is.
+        seed: The run seed of its noise streams (programming and read noise).
+        clock: Its device clock and counters (background power set from the spec).
+    """
 
     spec: ChipSpec
     seed: int = 0

@@ -1,10 +1,10 @@
 """Zero-copy torch CPU tensor or NumPy array -> jax.Array, the hot path of every device op's inputs
-(and of the row buckets' padded copies: jax.device_put takes ~10x longer).
+(and of the row buckets' padded copies: faster there than jax.device_put).
 
 `jax.dlpack.from_dlpack` asks the CPU device for an external-ready-events
 stream on every call; XLA:CPU answers UNIMPLEMENTED and JAX catches the
-error: ~25 of its ~30 us per array here. jaxlib's own import of the DLPack
-capsule without that question takes ~6 us. It is a private entry point, so
+error, which is most of the call's time. jaxlib's own import of the DLPack
+capsule skips that question. It is a private entry point, so
 it is used only with the signature it was checked with, its first result is
 compared with the public path's, and any failure falls back to the public
 path for good.
@@ -96,7 +96,7 @@ def mapped(shape, dtype) -> np.ndarray:
     writes once and keeps; from 4 MiB in memory pages of its own (an anonymous map, unmapped with the
     array). NumPy asks for transparent huge pages for such arrays, and where the kernel compacts
     memory to find them on the first touch (THP defrag "madvise", a common default), faulting in a
-    model's programmed state stalls for seconds; these are plain pages."""
+    model's programmed state stalls; these are plain pages."""
     dtype, nbytes = _size(shape, dtype)
     if nbytes < _HUGE_PAGES_FROM:
         return empty(shape, dtype)

@@ -270,7 +270,7 @@ def matmul(a, b, mode: str = "int8"):
 
 
 # An eager caller compiles one attention kernel per (query, key) length, and a growing KV cache
-# would compile one per generated token (~0.3 s each). Past _EXACT_LENGTHS the lengths are padded
+# would compile one per generated token. Past _EXACT_LENGTHS the lengths are padded
 # up to the next 2^k or 3 * 2^(k-1) (at most 1/3 padding; padded keys masked out), so a 1000-token
 # generation compiles ~20 kernels instead of 1000.
 _EXACT_LENGTHS = 8

@@ -24,8 +24,8 @@ except ImportError:  # pragma: no cover - a JAX without it: every kernel compile
 # layer's DAC quantisation alone reads it three times. A whole program made of several MVMs (sidra_jax,
 # torch.compile's backend) is compiled with these options and puts a barrier on each crossbar result, so
 # each MVM's result materialises once, as the chip's SRAM buffer holds it. SIDRA_JAX_KEEP_BARRIERS=0
-# compiles with XLA's defaults. 512-bit vectors (XLA:CPU prefers 256) make the per-element noise
-# draw and ADC ~25 % faster on AVX-512 hosts and change nothing elsewhere.
+# compiles with XLA's defaults. 512-bit vectors (XLA:CPU prefers 256) speed up the per-element
+# noise draw and ADC on AVX-512 hosts and change nothing elsewhere.
 XLA_COMPILER_OPTIONS: dict = {"xla_cpu_prefer_vector_width": 512}
 if os.environ.get("SIDRA_JAX_KEEP_BARRIERS", "1") != "0":
     XLA_COMPILER_OPTIONS["xla_disable_hlo_passes"] = "cse_barrier_expander"
@@ -53,9 +53,8 @@ def cpu_flags() -> set[str]:
 def _low_precision_dots() -> bool:
     """Whether XLA:CPU's int8 and bfloat16 dots beat its float32 one on this host.
 
-    With AMX tiles (amx_int8) they do: int8 ~540 GMAC/s, bf16 ~2.5x float32. Without AMX, on the
-    same AVX-512 VNNI Xeon, XLA's int8 dot runs at its float32 speed (114 vs 126 GMAC/s on 2
-    cores) and bf16 slower (74), so a (whole, fraction) int8 pair (2N columns) costs twice a
+    With AMX tiles (amx_int8) they do. Without AMX, XLA's int8 dot runs no faster than its float32
+    one and its bf16 dot slower, so a (whole, fraction) int8 pair (2N columns) costs twice a
     float32 dot of N. SIDRA_LOW_PRECISION_DOTS=1/0 forces the choice.
     """
     forced = os.environ.get("SIDRA_LOW_PRECISION_DOTS")
@@ -105,9 +104,9 @@ def vnni_dots() -> bool:
     (the partial sums and the read-noise variances as AVX-512 VNNI dots).
 
     Used wherever the CPU has the instructions and a C++ compiler built it (`vnni.available()`),
-    AMX hosts included: there XLA's int8 dot is as fast at 1024 rows, but at the few rows of eager
-    inference (one sentence, a row bucket) each call costs several times the kernel's, which
-    reads tiles packed once per snapshot (docs/performance.md). SIDRA_VNNI_DOTS=0 forces the
+    AMX hosts included: there XLA's int8 dot keeps up on large reads, but at the few rows of eager
+    inference (one sentence, a row bucket) each call costs more than the kernel, which reads
+    tiles packed once per snapshot (docs/performance.md). SIDRA_VNNI_DOTS=0 forces the
     XLA dots (1 still needs the instructions and the build), as SIDRA_BACKEND=xla does.
     """
     return os.environ.get("SIDRA_VNNI_DOTS") != "0" and backend() == "native"
@@ -233,8 +232,8 @@ def run_inline() -> bool:
 
     The simulator's kernels are many and small (one MVM, one engine op), and every caller reads
     the result at once; with JAX's asynchronous CPU dispatch each call hands the program to a
-    sleeping worker thread and sleeps until it is done, two thread wake-ups that cost 30-70 us
-    each on a VM (an 8 x 256 add: 76 against 7 us; a 256 x 256 MVM of 8 rows 182 against ~50 us).
+    sleeping worker thread and sleeps until it is done: two thread wake-ups, which can cost more
+    than a small kernel itself.
     Only possible before JAX creates its CPU backend (the first JAX computation of the process);
     returns whether the setting took. SIDRA_JAX_ASYNC=1 keeps JAX's default.
     """
@@ -259,11 +258,10 @@ def keep_freed_memory() -> bool:
     """Let glibc's malloc reuse freed memory of up to MALLOC_KEEP_BYTES instead of unmapping it.
 
     XLA:CPU allocates each run's temporaries afresh; past glibc's 32 MB mmap ceiling every run
-    maps new pages and faults them in, which made a 512-row MVM 2x slower than a 320-row one
-    (27.6 against 8.0 ms). Keeping the memory is what a GPU runtime's caching allocator does.
-    One arena for all threads: XLA's worker threads otherwise get arenas of their own, whose
-    64 MB heaps hand a large buffer back to the kernel on free regardless of the thresholds
-    (a 16 MB noise draw faulted in 4096 pages per run, 1.9 against 0.8 ns a normal).
+    maps new pages and faults them in. Keeping the memory is what a GPU runtime's caching
+    allocator does. One arena for all threads: XLA's worker threads otherwise get arenas of their
+    own, whose 64 MB heaps hand a large buffer back to the kernel on free regardless of the
+    thresholds, so a large temporary is faulted in again on every run.
     Returns whether the setting took; SIDRA_MALLOC_TUNING=0 leaves malloc alone.
     """
     if os.environ.get("SIDRA_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):

@@ -10,12 +10,23 @@ from .spec import ChipSpec
 
 
 class ChipCapacityError(RuntimeError):
-    """A model needs more crossbar tiles than the chip (or system) has."""
+    """A model needs more crossbar tiles than the chip (or system) has.
+
+    Args:
+        message: The tiles needed, in use and free, and the setting that fixes it (`capacity_error`).
+    """
 
 
 @dataclass(frozen=True)
 class TileGrid:
-    """The tile grid of one K x N weight: `grid_k` x `grid_n` tiles of rows x cols cells."""
+    """The tile grid of one K x N weight: `grid_k` x `grid_n` tiles of rows x cols cells.
+
+    Attributes:
+        k: The weight's rows (input features).
+        n: The weight's columns (output features).
+        rows: Word lines per tile.
+        cols: Bit lines per tile.
+    """
 
     k: int
     n: int
@@ -57,6 +68,19 @@ class TileGrid:
 
 
 def tile_grid(k: int, n: int, spec: ChipSpec) -> TileGrid:
+    """The tile grid of a K x N weight on this chip's tiles.
+
+    Args:
+        k: The weight's rows (input features), at least 1.
+        n: The weight's columns (output features), at least 1.
+        spec: The chip, for its tile shape.
+
+    Returns:
+        The weight's TileGrid.
+
+    Raises:
+        ValueError: K or N is below 1.
+    """
     if k < 1 or n < 1:
         raise ValueError(f"a crossbar weight needs K >= 1 and N >= 1, got {k} x {n}")
     return TileGrid(k=k, n=n, rows=spec.tile.rows, cols=spec.tile.cols)
@@ -64,7 +88,14 @@ def tile_grid(k: int, n: int, spec: ChipSpec) -> TileGrid:
 
 @dataclass(frozen=True)
 class ChipMapping:
-    """Placement of a set of weights: first tile index of each, totals, chips needed."""
+    """Placement of a set of weights: first tile index of each, totals, chips needed.
+
+    Attributes:
+        names: Each weight's name.
+        grids: Each weight's tile grid.
+        first_tile: Each weight's first tile index in the system.
+        tiles_per_chip: Tiles on one chip (to tell which chip a tile is on).
+    """
 
     names: tuple[str, ...]
     grids: tuple[TileGrid, ...]
@@ -113,8 +144,17 @@ def map_weights(
 ) -> ChipMapping:
     """Place weights (named or not) on consecutive tiles after `tiles_in_use`.
 
-    Raises ChipCapacityError naming the tiles needed and available when the
-    system is too small (or needs several chips and multi-chip is not allowed).
+    Args:
+        shapes: (K, N) shapes, or (name, (K, N)) pairs; unnamed weights are called w0, w1, ...
+        spec: The chip.
+        tiles_in_use: Tiles already taken; the placement starts after them.
+
+    Returns:
+        The ChipMapping of the weights, in the order given.
+
+    Raises:
+        ChipCapacityError: The system is too small (or needs several chips and multi-chip mapping
+            is not allowed); the message names the tiles needed and available.
     """
     items = list(shapes)
     if items and isinstance(items[0][0], str):
@@ -132,19 +172,44 @@ def map_weights(
 
 
 def chips_needed(shapes: Sequence[tuple[int, int]], spec: ChipSpec) -> int:
-    """Chips a set of K x N weights occupies (no capacity check)."""
+    """Chips a set of K x N weights occupies (no capacity check).
+
+    Args:
+        shapes: The weights' (K, N) shapes.
+        spec: The chip, for its tile shape and tiles per chip.
+
+    Returns:
+        The number of chips, at least 1.
+    """
     tiles = sum(tile_grid(k, n, spec).tiles for k, n in shapes)
     return max(1, math.ceil(tiles / spec.tile.tiles_per_chip))
 
 
 def system_tiles(spec: ChipSpec) -> int:
-    """Tiles the whole system offers (all chips when multi-chip mapping is allowed)."""
+    """Tiles the whole system offers (all chips when multi-chip mapping is allowed).
+
+    Args:
+        spec: The chip.
+
+    Returns:
+        The number of tiles.
+    """
     t = spec.tile
     return t.tiles_per_chip * (t.chips if t.allow_multi_chip else 1)
 
 
 def capacity_error(what: str, need: int, in_use: int, spec: ChipSpec) -> ChipCapacityError:
-    """The out-of-tiles error: tiles needed, in use and available, and the setting that fixes it."""
+    """The out-of-tiles error: tiles needed, in use and available, and the setting that fixes it.
+
+    Args:
+        what: What needs the tiles, as the message names it (a weight's name, "model").
+        need: Tiles needed.
+        in_use: Tiles already in use.
+        spec: The chip.
+
+    Returns:
+        The ChipCapacityError to raise.
+    """
     t = spec.tile
     total = system_tiles(spec)
     chips = math.ceil((in_use + need) / t.tiles_per_chip)

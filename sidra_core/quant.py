@@ -28,6 +28,16 @@ def quantise_weight(w, spec: ChipSpec) -> QuantisedWeight:
 
     `scale_j = percentile(|W[:, j]|, p) / 127` per channel (or one scale per
     tensor); values beyond the clipping percentile saturate at +-127.
+
+    Args:
+        w: The K x N float weight.
+        spec: The chip, for its granularity and clipping percentile (`spec.quant`).
+
+    Returns:
+        The QuantisedWeight: int8 codes (K, N) and float32 scales (N,).
+
+    Raises:
+        ValueError: The weight is not 2-D, or holds NaN or Inf.
     """
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
@@ -52,7 +62,18 @@ def quantise_weight(w, spec: ChipSpec) -> QuantisedWeight:
 
 
 def from_int8(codes, scale) -> QuantisedWeight:
-    """Wrap existing INT8 codes and per-column (or scalar) scales, e.g. from a quantised model."""
+    """Wrap existing INT8 codes and per-column (or scalar) scales, e.g. from a quantised model.
+
+    Args:
+        codes: int8 codes (K, N); -128 saturates to -127 (the differential pair is symmetric).
+        scale: The float value of one code, per output column (N,) or one for all.
+
+    Returns:
+        The QuantisedWeight.
+
+    Raises:
+        ValueError: The codes are not 2-D int8, or a scale is not finite and positive.
+    """
     codes = np.asarray(codes)
     if codes.dtype != np.int8:
         raise ValueError(f"INT8 codes must have dtype int8, got {codes.dtype}")
@@ -70,9 +91,14 @@ def from_int8(codes, scale) -> QuantisedWeight:
 def quantise_rows(x, bits: int, axis: int = -1):
     """Dynamic per-row symmetric quantisation of activations (traceable).
 
-    Returns the integer-valued float codes and the per-row scale, so that
-    `codes * scale ~= x`; an all-zero row gets scale 1. A row runs along
-    `axis` (-2: per column of a matrix).
+    Args:
+        x: The activations.
+        bits: Signed code width: codes lie in +-(2^(bits-1) - 1).
+        axis: The axis a row runs along (-2: per column of a matrix).
+
+    Returns:
+        (codes, scale): the integer-valued float codes and the per-row scale (kept dims), so that
+        `codes * scale ~= x`; an all-zero row gets scale 1.
     """
     qmax = float(2 ** (bits - 1) - 1)
     amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)

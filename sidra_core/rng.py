@@ -1,9 +1,9 @@
 """Counter-based random numbers for the hot paths.
 
-`jax.random.normal` (threefry) costs ~6 ns a sample on a CPU core; the MVM
+`jax.random.normal` (threefry) is costly per sample on a CPU; the MVM
 needs one fresh normal per row, tile and column on every read, which would
 cost more than the matmul itself. A two-round integer hash of (seed, counter)
-followed by the inverse normal CDF costs ~2 ns and is stateless, so a cell's
+followed by the inverse normal CDF is cheaper and stateless, so a cell's
 draw depends only on its identity (chip seed, cell id, pulse), not on how the
 arrays were batched or compacted.
 """

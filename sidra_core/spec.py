@@ -186,7 +186,24 @@ class CostSpec(_Section):
 
 @dataclass(frozen=True)
 class ChipSpec:
-    """The whole chip: every section plus the chip seed that fixes its bad cells."""
+    """The whole chip: every section plus the chip seed that fixes its bad cells.
+
+    Attributes:
+        name: The chip's name (a preset's, or "custom").
+        seed: The chip seed, in [0, 2**63): with each cell's physical id it fixes the stuck cells.
+        tile: Crossbar geometry and conductance window.
+        dac: The input DACs.
+        adc: The column ADCs.
+        quant: How float weights become INT8 codes.
+        noise: The analog non-idealities.
+        ispp: Write-verify programming.
+        engine: The digital compute engine.
+        memory: Device memory, on-chip SRAM and the links.
+        cost: Latency and energy coefficients of the crossbar and its periphery.
+
+    Raises:
+        ValueError: The seed is out of range (each section checks its own fields).
+    """
 
     name: str = "custom"
     seed: int = 0
@@ -299,56 +316,26 @@ def _int8() -> ChipSpec:
 
 
 def _y1() -> ChipSpec:
-    # Device figures from DEVICE_MODEL section 3 (tests/test_core_mvm.py measures each).
-    # Cost figures calibrated to the SIDRA documentation's Y1 numbers (DEVICE_MODEL section 7; the
-    # reference constants are in sidra_torch/bench.py, tests/test_calibration.py checks each):
-    # BERT-base batch 1 x 512 tokens ~5 ms and 1/50 of the H100's energy (1/50 of 2 ms x 700 W =
-    # 28 mJ); one 100-token Marian en-tr translation ~30 mJ and ~10 ms; its first call ~2 s.
-    # The DAC, array, ADC and memory energies keep their physical defaults (DEVICE_MODEL sections
-    # 2 and 6); the terms below are the ones the published anchors leave open.
+    # The full chip: device figures from DEVICE_MODEL section 3, cost terms calibrated to the SIDRA
+    # documentation's Y1 figures (sidra_torch/bench.py; tests/test_calibration.py checks each).
+    # Why each value is what it is: see docs/device-model.md.
     return ChipSpec(
         name="y1",
         cost=CostSpec(
-            # One tile MVM (DAC, array settling, ADC conversions): ISAAC-style ~100 ns (DEVICE_MODEL
-            # section 6; IBM's PCM tile takes ~130 ns). BERT-base's 73 weight layers stream 512 rows
-            # each: 73 x 512 x 100 ns = 3.7 ms of its ~5 ms; at 130 ns they alone would take 4.9 ms.
-            tile_mvm_s=100e-9,
-            # One ISPP cycle: a ~100 ns write pulse, a verify read (a tile read, ~100 ns) and switching
-            # the line biases between them. With 64 tiles writing one cell each at a time (the
-            # programming current budget), Marian en-tr's 74 M weights (470 M pulses under y1's
-            # +-1 % verify window) take 470e6 / 64 x 270 ns = 1.98 s: the documented ~2 s first call.
-            pulse_s=270e-9,
-            # Background power of the working chip (leakage, clock tree, bias of 2048 tiles' analog
-            # periphery, DRAM refresh, link PHYs), charged over busy time. Analog accelerators of this
-            # class draw a few watts (Mythic's M1076: ~3 W typical). The documentation's energies need
-            # it: a 100-token translation is only ~1 mJ of operations but ~30 mJ documented over its
-            # ~10 ms, so ~2.9 W; over BERT-base's ~5 ms it is 15 of the 28 mJ.
-            background_w=2.9,
+            tile_mvm_s=100e-9,  # one tile MVM: DAC, array settling, ADC conversions
+            pulse_s=270e-9,  # one ISPP cycle: write pulse, verify read, line-bias switching
+            background_w=2.9,  # the working chip's background power, charged over busy time
         ),
         engine=EngineSpec(
-            # DEVICE_MODEL section 5 starts at 1-2 TOPS, but BERT-base at 512 tokens has 9.7 G ops of
-            # attention matmuls alone (4.8-9.7 ms at that rate, over the documented 5 ms total).
-            # 8.2 TOPS = a 64 x 64 INT8 MAC array at 1 GHz: attention then takes ~1.2 ms.
-            ops_per_s=8.2e12,
-            # 1 pJ/op (1 TOPS/W): a digital INT8 engine with its operand buffers (SRAM traffic is
-            # charged apart). The rest of BERT-base's 28 mJ after the background power, mostly its
-            # ~10 G engine ops.
-            pj_per_op=1.0,
-            # Fixed cost of starting an engine op: fetching its descriptor, configuring the vector unit
-            # and its LUTs, setting up the SRAM streams, signalling completion (~1 us, like an
-            # accelerator's kernel launch). It dominates autoregressive decoding: a Marian decoder
-            # step is ~100 small engine ops beside 49 one-row MVMs, and 100 steps take ~10 ms as
-            # documented. Crossbar ops have no such cost: their tiles are configured when programmed.
-            launch_s=0.9e-6,
+            ops_per_s=8.2e12,  # a 64 x 64 INT8 MAC array at 1 GHz
+            pj_per_op=1.0,  # a digital INT8 engine with its operand buffers (1 TOPS/W)
+            launch_s=0.9e-6,  # fixed cost of starting an engine op (descriptor, LUTs, SRAM streams)
         ),
-        ispp=ISPPSpec(tolerance=0.01),  # verify window +-1 % of G_max (~5 pulses a written cell)
+        ispp=ISPPSpec(tolerance=0.01),  # verify window +-1 % of G_max
         noise=NoiseSpec(
-            read_sigma=0.0075,  # 0.75 % of G per read: middle of the 0.5-1 % RRAM range
-            # Relaxation after the last verify, 1.5 % of G: with the +-1 % window the programming
-            # error grows from ~0.6 % of G_max at low G to ~1.6 % near G_max (DEVICE_MODEL: ~1-2 %
-            # of G_max, growing with G). MiniLM embeddings then keep cosine ~0.983 with CPU.
-            prog_relax_sigma=0.015,
-            drift_nu_mean=0.01,  # RRAM nu ~ N(0.01, 0.004), t0 = 20 s
+            read_sigma=0.0075,  # read noise, 0.75 % of G per read
+            prog_relax_sigma=0.015,  # relaxation after the last verify, 1.5 % of G
+            drift_nu_mean=0.01,  # RRAM drift exponent nu ~ N(0.01, 0.004), t0 = 20 s
             drift_nu_std=0.004,
             drift_t0=20.0,
             stuck_off_rate=0.001,  # 0.1 % stuck at G_min
@@ -369,7 +356,18 @@ PRESETS = {"ideal": _ideal, "int8": _int8, "y1": _y1, "y1-ir": _y1_ir, "pcm": _p
 
 
 def preset(name: str, **overrides) -> ChipSpec:
-    """A named preset (`ideal`, `int8`, `y1`, `y1-ir`, `pcm`), optionally with overrides."""
+    """A named preset (`ideal`, `int8`, `y1`, `y1-ir`, `pcm`), optionally with overrides.
+
+    Args:
+        name: The preset's name (a key of PRESETS).
+        **overrides: Field overrides, as `section__field=value` or `section={field: value}`.
+
+    Returns:
+        The preset's ChipSpec with the overrides applied.
+
+    Raises:
+        ValueError: An unknown preset, or an override that names no field or is out of range.
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown chip preset {name!r}; choose one of {sorted(PRESETS)} or pass a ChipSpec / TOML path")
     spec = PRESETS[name]()
@@ -377,7 +375,19 @@ def preset(name: str, **overrides) -> ChipSpec:
 
 
 def resolve(chip: "str | Path | ChipSpec", **overrides) -> ChipSpec:
-    """A ChipSpec from a preset name, a TOML path or a spec object."""
+    """A ChipSpec from a preset name, a TOML path or a spec object.
+
+    Args:
+        chip: A preset name, a TOML file (a Path, or a str ending in .toml) or a ChipSpec.
+        **overrides: Field overrides, as `preset` takes them.
+
+    Returns:
+        The ChipSpec with the overrides applied.
+
+    Raises:
+        TypeError: `chip` is none of these.
+        ValueError: An unknown preset, or an override that names no field or is out of range.
+    """
     if isinstance(chip, ChipSpec):
         return chip.replace(**overrides) if overrides else chip
     if isinstance(chip, Path) or (isinstance(chip, str) and chip.endswith(".toml")):

@@ -1,7 +1,7 @@
 """The crossbar's reads as AVX-512 VNNI dots: small C++ XLA custom calls (`vnni_dots.cc`).
 
 On hosts without AMX, XLA:CPU's int8 dot runs at its float32 speed, while the CPU's VNNI
-instructions do int8 MACs at 4x its float32 FMA rate (torch's oneDNN int8 GEMM shows it); with
+instructions do int8 MACs at 4x its float32 FMA rate; with
 AMX, XLA's int8 dot is slow at the few rows of eager calls, where these read pre-packed tiles. One
 call computes every tile's INT8 partial sums and exact read-noise variances (`tile_dots`);
 the MVM's (`mvm`) is the whole read: the DAC, those dots, the noise draw, the ADC, the tile sum

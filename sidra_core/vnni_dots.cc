@@ -12,8 +12,8 @@
 // sidra_tile_dots returns p and v of every tile; sidra_mvm is the whole MVM: the DAC of the float
 // inputs, then while p and v are in L1, read noise sqrt(v) z (z: sidra_core.rng.box_muller's
 // draw, bit for bit), the ADC, the tile sum and the dequantisation, so one MVM reads its float
-// inputs and writes its (rows, N) result once (256 x 1024 x 1024: 4.3 -> 3.8 ms with the tile
-// sums fused, 3.8 -> 3.0 with the DAC and dequantisation as well, which XLA did in three passes).
+// inputs and writes its (rows, N) result once (the XLA path runs the DAC and the dequantisation
+// as passes of their own).
 // sidra_mvm_direct is the same MVM called on host buffers outside XLA (eager reads: any row count,
 // no program). sidra_ispp_write is ISPP write-verify (sidra_core.ispp) with sidra_core.rng's draws,
 // cell by cell; sidra_program writes a fresh weight's cells whole (stuck map, targets, ISPP, drift
@@ -56,7 +56,7 @@ constexpr int kGroupBytes = 64; // one vector's weights (or variance levels) for
 
 // The dot instruction as inline assembly: GCC 12 compiles its intrinsic with a register copy
 // and a stack store per instruction (the accumulator is an input of the builtin, not tied to
-// its output), which ran the kernel at a third of the instructions' rate.
+// its output), well below the instructions' rate.
 inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
 }
@@ -67,7 +67,7 @@ inline __mmask16 column_mask(int valid) {
 
 // MR rows x NV vectors of one tile's partial sums, T terms per vector.
 // w holds one (vector, term) every vec_bytes (a tile's: 64 groups of 64 bytes). Never inlined:
-// inside a large caller GCC kept the accumulators on the stack (the fused read ran at half speed).
+// inside a large caller GCC kept the accumulators on the stack.
 template <int MR, int NV, int T>
 __attribute__((noinline)) void signal_block(const uint8_t* x, int64_t ldx, const int8_t* w, int64_t vec_bytes, const int32_t* corr,
                   int groups, float* out, int64_t ldo, int valid_cols) {
@@ -383,8 +383,8 @@ float quantise_row(const float* x, int64_t k, int64_t kp, float qmax, uint8_t* x
   return s;
 }
 
-// Runs fn once, by the first caller; the others wait for it (a few microseconds: yielding, as
-// the thread running it may be descheduled). state: 0 not started, 1 running, 2 done.
+// Runs fn once, by the first caller; the others wait for it (briefly, yielding, as the thread
+// running it may be descheduled). state: 0 not started, 1 running, 2 done.
 template <typename F>
 void once(std::atomic<int>& state, F fn) {
   if (state.load(std::memory_order_acquire) == 2) return;
@@ -815,8 +815,8 @@ struct Work {
 };
 
 // Calls running now. XLA runs independent thunks at once, one per core of its own pool: while
-// more than one call runs, the callers already use the cores and a helper steps back (three
-// threads on two cores made each call wait for a descheduled one: MVM programs 10-40 % slower).
+// more than one call runs, the callers already use the cores and a helper steps back (more
+// threads than cores make each call wait for a descheduled one).
 std::atomic<int> g_active{0};
 
 void Work::drain(bool helper) {
@@ -829,9 +829,9 @@ void Work::drain(bool helper) {
   }
 }
 
-// The kernel's own helper threads (one fewer than the CPUs this process may use). XLA's
-// intra-op pool took ~3 ms to start a task scheduled from the calling thread on this VM; a
-// condition variable wakes a helper in tens of microseconds. Several calls may run at once
+// The kernel's own helper threads (one fewer than the CPUs this process may use): a condition
+// variable wakes one far sooner than XLA's intra-op pool starts a task scheduled from the
+// calling thread. Several calls may run at once
 // (XLA runs independent thunks in parallel): every queued job is open to every helper.
 class Helpers {
  public:
@@ -856,7 +856,7 @@ class Helpers {
     retire(w);
     // Until a helper finishes this job's last items: other calls' items (XLA may run several
     // at once), else give the core away. A caller that spun instead held a core the helper
-    // it waited for needed when more threads than cores were busy (VM scheduling: ms-long waits).
+    // it waited for needed when more threads than cores were busy.
     while (w->done.load(std::memory_order_acquire) < w->items) {
       std::shared_ptr<Work> other = queued();
       if (other) {

@@ -28,7 +28,17 @@ def _inexact(x) -> bool:
 
 
 def straight_through(device_fn, exact_fn, xs: tuple, aux=()):
-    """device_fn(*xs, aux) forward; backward: VJP of exact_fn(*xs) for the float xs; aux gets none."""
+    """device_fn(*xs, aux) forward; backward: VJP of exact_fn(*xs) for the float xs; aux gets none.
+
+    Args:
+        device_fn: The forward computation, `device_fn(*xs, aux)` (the chip's kernels).
+        exact_fn: The digital, exact function whose VJP is the backward, `exact_fn(*xs)`.
+        xs: The differentiable operands (only floating ones get a gradient).
+        aux: Further operands of device_fn (seeds, snapshots), with no gradient.
+
+    Returns:
+        device_fn's result, differentiable by jax.grad with exact_fn's gradients.
+    """
     xs = tuple(xs)
     diff = tuple(i for i, x in enumerate(xs) if _inexact(x))
 

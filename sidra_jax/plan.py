@@ -81,21 +81,43 @@ class Instr:
 
 @dataclass
 class Plan:
+    """The device plan of one function signature: its instructions, crossbar weights and prices.
+
+    Attributes:
+        in_refs: The refs of the call's flattened argument leaves.
+        out_refs: The refs (or literals) of its flattened outputs.
+        const_refs: The refs of the jaxpr's constants.
+        consts: Their values.
+        instrs: The instructions (Instr), in program order.
+        wrefs: The crossbar copies the instructions need (WeightRef), in first-use order.
+        n_seeds: Noise seeds a call draws: one per MVM, in program order.
+        steps: The priced steps (instructions and host transfers) in device order, for charging
+            and the profiler.
+        total: One call's cost (without background power).
+        counts: One call's counters (mvms, engine_ops, ...).
+        spec: The chip it was planned for.
+        out_tree: The outputs' pytree structure.
+        fused_bias: Biases fused into their MVMs.
+        fused: MVMs fused with their epilogue (graph pricing).
+        graph: Priced as one pipelined graph (sidra_core.graph_cost), as torch.compile prices.
+        executor: The compiled program that runs the plan (sidra_jax.execute.executor).
+    """
+
     in_refs: list
     out_refs: list
     const_refs: list
     consts: list
     instrs: list
-    wrefs: list  # WeightRef, in first-use order
+    wrefs: list
     n_seeds: int
-    steps: list  # (Instr or transfer record) in device order, for charging and the profiler
+    steps: list
     total: Cost
     counts: dict
     spec: ChipSpec
     out_tree: object = None
     fused_bias: int = 0
-    fused: int = 0  # MVMs fused with their epilogue (graph pricing)
-    graph: bool = False  # priced as one pipelined graph (sidra_core.graph_cost), as torch.compile prices
+    fused: int = 0
+    graph: bool = False
     executor: object = None
 
     def crossbar_weights(self) -> list[tuple[int, int, int]]:

@@ -28,7 +28,16 @@ def active() -> list:
 
 
 class profile(Recording):
-    """Records every device op of every sidra_jax call between __enter__ and __exit__."""
+    """Records every device op of every sidra_jax call between __enter__ and __exit__.
+
+    Takes no arguments; use it as `with sidra_jax.profile() as prof:`, then
+    `prof.key_averages().table(...)` or `prof.export_chrome_trace(path)`.
+
+    Attributes:
+        records: One OpRecord per device op.
+        ranges: One OpRecord per sidra_jax call (a user range).
+        host_s: Host simulation time of the calls (s), measured per call.
+    """
 
     def __init__(self):
         super().__init__()

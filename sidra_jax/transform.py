@@ -60,7 +60,15 @@ def _leaf_sig(x) -> tuple:
 
 
 class Report:
-    """What one call of a function does on the chip: ops, crossbar weights, cost (static, no execution)."""
+    """What one call of a function does on the chip: ops, crossbar weights, cost (static, no execution).
+
+    Made by `SidraFunction.report(*args)`.
+
+    Args:
+        plan: The call's device plan.
+        names: A name per argument leaf (a weight's pytree path, else "arg<i>").
+        fn_name: The function's name, for the table's header.
+    """
 
     def __init__(self, plan: _plan.Plan, names: list[str], fn_name: str):
         self.plan = plan
@@ -99,7 +107,19 @@ class Report:
 
 
 class SidraFunction:
-    """A JAX function transformed to run on a SIDRA chip (see `sidra_jax.jit`)."""
+    """A JAX function transformed to run on a SIDRA chip (see `sidra_jax.jit`).
+
+    Args:
+        fn: The JAX function.
+        chip: The chip it runs on; None: the chip its programmed arguments live on.
+        static_argnums: Positional arguments that are static (hashable, not traced), as jax.jit's.
+        static_argnames: Keyword arguments that are static, as jax.jit's.
+        transfers: Charge the host link for argument arrays not in device memory and for results.
+        graph: Price a call as one compiled graph instead of op after op.
+
+    Raises:
+        TypeError: `chip` is not a sidra_core.Chip.
+    """
 
     def __init__(self, fn, chip: Chip | None = None, *, static_argnums=(), static_argnames=(),
                  transfers: bool = True, graph: bool = False):
@@ -352,6 +372,17 @@ def jit(fn=None, chip: Chip | None = None, *, static_argnums=(), static_argnames
     `x.to("sidra")` / `y.cpu()` are. `graph=True` prices a call as one compiled graph (MVM epilogues
     fused, rows pipelined across ops), as torch.compile's graphs are; by default op after op, as eager
     PyTorch runs them. Usable as a decorator: `@sidra_jax.jit(chip=chip)`.
+
+    Args:
+        fn: The JAX function; None returns a decorator with these settings.
+        chip: The chip it runs on; None: the chip its programmed arguments live on.
+        static_argnums: Positional arguments that are static (hashable, not traced), as jax.jit's.
+        static_argnames: Keyword arguments that are static, as jax.jit's.
+        transfers: Charge the host link for argument arrays not in device memory and for results.
+        graph: Price a call as one compiled graph instead of op after op.
+
+    Returns:
+        The SidraFunction (or, without `fn`, a decorator that makes one).
     """
     if fn is None:
         return lambda f: SidraFunction(f, chip, static_argnums=static_argnums, static_argnames=static_argnames,

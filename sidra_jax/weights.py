@@ -58,7 +58,14 @@ class ViewOp:
 
 
 class WeightSlot:
-    """A device-resident array: name, current value and version, crossbar copies (Residents)."""
+    """A device-resident array: name, current value and version, crossbar copies (Residents).
+
+    Args:
+        chip: The chip it lives on.
+        value: Its array.
+        name: Its name (the pytree path).
+        kind: "param" (may be programmed onto crossbars) or "data" (device memory only).
+    """
 
     def __init__(self, chip: Chip, value, name: str, kind: str = PARAM):
         self.chip = chip
@@ -163,7 +170,12 @@ def kernel_spec(layout: str) -> tuple:
 
 @jax.tree_util.register_pytree_with_keys_class
 class Weight:
-    """A device-resident array in a pytree: the array is the node's only child, the slot its static data."""
+    """A device-resident array in a pytree: the array is the node's only child, the slot its static data.
+
+    Args:
+        value: The array.
+        slot: Its WeightSlot (name, version, crossbar copies).
+    """
 
     __slots__ = ("value", "slot")
 
@@ -194,6 +206,14 @@ class Weight:
 
 
 def is_weight(x) -> bool:
+    """Whether x is a device-resident Weight (the `is_leaf` of pytree walks over programmed params).
+
+    Args:
+        x: Any pytree node.
+
+    Returns:
+        True for a Weight.
+    """
     return isinstance(x, Weight)
 
 
@@ -218,6 +238,20 @@ def program(params, chip: Chip, *, eager: bool = False, conv_layout: str = "HWIO
 
     A pytree that already holds Weights on this chip keeps their slots (a
     changed array is a new version, reprogrammed at its next use).
+
+    Args:
+        params: The parameter pytree.
+        chip: The chip.
+        eager: Program the crossbar copies now rather than at first use.
+        conv_layout: The kernel layout of higher-rank leaves, for `eager`.
+        prefix: Prepended to each weight's name (its pytree path).
+
+    Returns:
+        The pytree with every array leaf a Weight.
+
+    Raises:
+        TypeError: `chip` is not a sidra_core.Chip.
+        ValueError: A Weight of the pytree lives on another chip.
     """
     if not isinstance(chip, Chip):
         raise TypeError(f"program() needs a sidra_core.Chip, got {type(chip).__name__}")
@@ -254,6 +288,13 @@ def device_put(x, chip: Chip):
     """Put an input pytree in device memory (charged once): a sidra_jax.jit call then skips its transfer.
 
     Unlike `program`, these arrays are data, never crossbar weights.
+
+    Args:
+        x: The input pytree.
+        chip: The chip.
+
+    Returns:
+        The pytree with every array leaf a data Weight.
     """
     def put(path, leaf):
         if not _is_array(leaf):
@@ -266,19 +307,40 @@ def device_put(x, chip: Chip):
 
 
 def unprogram(params):
-    """The plain arrays of a programmed pytree (the crossbar copies stay until the slots are freed)."""
+    """The plain arrays of a programmed pytree (the crossbar copies stay until the slots are freed).
+
+    Args:
+        params: A pytree holding Weights.
+
+    Returns:
+        The pytree with each Weight replaced by its array.
+    """
     return jax.tree_util.tree_map(lambda w: w.value if isinstance(w, Weight) else w, params, is_leaf=is_weight)
 
 
 def free(params) -> None:
-    """Release every crossbar tile held by a programmed pytree."""
+    """Release every crossbar tile held by a programmed pytree.
+
+    Args:
+        params: A pytree holding Weights.
+
+    Returns:
+        None.
+    """
     for w in jax.tree_util.tree_leaves(params, is_leaf=is_weight):
         if isinstance(w, Weight):
             w.slot.free()
 
 
 def residents(params) -> list:
-    """(name, Resident) for every crossbar copy of a programmed pytree."""
+    """(name, Resident) for every crossbar copy of a programmed pytree.
+
+    Args:
+        params: A pytree holding Weights.
+
+    Returns:
+        A list of (weight name, Resident) pairs.
+    """
     out = []
     for w in jax.tree_util.tree_leaves(params, is_leaf=is_weight):
         if isinstance(w, Weight):

@@ -258,6 +258,12 @@ def register() -> None:
     At the device's first use `torch.utils.swap_tensors` is replaced by `swap_tensors` above
     (sidra_torch.first_use), which differs from torch's only for a CPU tensor moving onto the
     device while a graph holds it.
+
+    Returns:
+        None.
+
+    Raises:
+        RuntimeError: torch's PrivateUse1 backend was already renamed to another device.
     """
     global _REGISTERED
     with _LOCK:

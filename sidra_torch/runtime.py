@@ -31,7 +31,7 @@ def on_one_torch_thread(fn):
 
     The simulated chip's kernels are XLA programs that use every core; torch's OpenMP workers,
     once woken by a multi-threaded op, spin-wait on a core for a while after it and slow the next
-    kernel (MiniLM b8 x 128 eager 484 -> 415 ms on 2 cores). The chip's own host-side arithmetic
+    kernel. The chip's own host-side arithmetic
     (element-wise ops, format rounding) therefore runs on the calling thread; host-CPU work (the
     user's, and fallback ops inside a device op: `users_torch_threads`) keeps torch's setting.
     torch's count is per thread (OpenMP), so concurrent callers do not interfere.
@@ -120,7 +120,11 @@ def _get_chip(spec: ChipSpec, seed: int) -> Chip:
 
 
 def current_chip() -> Chip:
-    """The chip ops run on now (the `y1` preset unless another was chosen)."""
+    """The chip ops run on now (the `y1` preset unless another was chosen).
+
+    Returns:
+        The current sidra_core.Chip.
+    """
     chip = _STATE.chip
     if chip is not None:
         return chip
@@ -131,7 +135,21 @@ def current_chip() -> Chip:
 
 
 def set_chip(chip: "str | Path | ChipSpec" = "y1", **overrides) -> Chip:
-    """Choose the chip for all following ops: a preset name, a TOML path or a ChipSpec."""
+    """Choose the chip for all following ops: a preset name, a TOML path or a ChipSpec.
+
+    Each distinct spec is one chip that keeps its programmed weights: choosing it again does not
+    reprogram.
+
+    Args:
+        chip: A preset name, a TOML path or a ChipSpec.
+        **overrides: Field overrides, as `sidra_core.preset` takes them.
+
+    Returns:
+        The chosen sidra_core.Chip.
+
+    Raises:
+        ValueError: An unknown preset, or an invalid override.
+    """
     spec = sidra_core.resolve(chip, **overrides)
     with _STATE.lock:
         _STATE.chip = _get_chip(spec, _STATE.seed)
@@ -140,7 +158,18 @@ def set_chip(chip: "str | Path | ChipSpec" = "y1", **overrides) -> Chip:
 
 @contextlib.contextmanager
 def use_chip(chip: "str | Path | ChipSpec", **overrides):
-    """`with sidra_torch.use_chip("ideal"): ...` runs the block on another chip, then switches back."""
+    """`with sidra_torch.use_chip("ideal"): ...` runs the block on another chip, then switches back.
+
+    Args:
+        chip: A preset name, a TOML path or a ChipSpec.
+        **overrides: Field overrides, as `sidra_core.preset` takes them.
+
+    Returns:
+        A context manager that yields the block's sidra_core.Chip.
+
+    Raises:
+        ValueError: An unknown preset, or an invalid override.
+    """
     spec = sidra_core.resolve(chip, **overrides)
     with _STATE.lock:
         previous = current_chip()
@@ -153,7 +182,14 @@ def use_chip(chip: "str | Path | ChipSpec", **overrides):
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the device's noise streams (read noise, ISPP) on every chip, like torch.cuda.manual_seed."""
+    """Seed the device's noise streams (read noise, ISPP) on every chip, like torch.cuda.manual_seed.
+
+    Args:
+        seed: The seed (taken modulo 2**64).
+
+    Returns:
+        None.
+    """
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     with _STATE.lock:
         _STATE.seed = seed
@@ -266,19 +302,52 @@ def track_free(nbytes: int) -> None:
 
 
 def memory_allocated(device=None) -> int:
+    """Bytes of device memory held by tensors, as torch.cuda.memory_allocated.
+
+    Args:
+        device: Ignored (one device).
+
+    Returns:
+        The bytes allocated now.
+    """
     return _STATE.memory.allocated
 
 
 def max_memory_allocated(device=None) -> int:
+    """The peak of `memory_allocated` since the last `reset_peak_memory_stats`.
+
+    Args:
+        device: Ignored (one device).
+
+    Returns:
+        The peak bytes allocated.
+    """
     return _STATE.memory.peak
 
 
 def reset_peak_memory_stats(device=None) -> None:
+    """Restart the peak of `max_memory_allocated` from the bytes allocated now.
+
+    Args:
+        device: Ignored (one device).
+
+    Returns:
+        None.
+    """
     with _STATE.lock:
         _STATE.memory.peak = _STATE.memory.allocated
 
 
 def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """A printable summary of device memory and crossbar tiles, as torch.cuda.memory_summary.
+
+    Args:
+        device: Ignored (one device).
+        abbreviated: Ignored (the summary is short).
+
+    Returns:
+        The summary text.
+    """
     chip = current_chip()
     mem = _STATE.memory
     mib = 1024 ** 2
@@ -296,22 +365,42 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
 
 
 def counters() -> dict:
-    """Device time, energy by component and event counts since the last reset."""
+    """Device time, energy by component and event counts since the last reset.
+
+    Returns:
+        A dict: time_s, busy_s, idle_s, energy_j, energy_<component>_j and each counter.
+    """
     return current_chip().clock.counters.as_dict()
 
 
 def reset_counters() -> None:
+    """Zero the current chip's counters and energy; its clock keeps its time (cells keep drifting).
+
+    Returns:
+        None.
+    """
     current_chip().clock.reset_counters()
 
 
 def device_time() -> float:
-    """The simulated device clock (s): busy time plus any time advanced by the user."""
+    """The simulated device clock (s): busy time plus any time advanced by the user.
+
+    Returns:
+        The current chip's device time (s).
+    """
     return current_chip().clock.now
 
 
 @contextlib.contextmanager
 def drift_compensation(enabled: bool = True):
-    """Read the current chip with global drift compensation on (or off) inside the block."""
+    """Read the current chip with global drift compensation on (or off) inside the block.
+
+    Args:
+        enabled: Compensation inside the block; the previous setting comes back after it.
+
+    Returns:
+        A context manager that yields the current sidra_core.Chip.
+    """
     chip = current_chip()
     previous = chip.spec.noise.drift_compensation
     chip.set_drift_compensation(enabled)
@@ -322,12 +411,28 @@ def drift_compensation(enabled: bool = True):
 
 
 def advance(seconds: float) -> float:
-    """Jump the device clock, e.g. `advance(3600)` to read weights an hour after programming."""
+    """Jump the device clock, e.g. `advance(3600)` to read weights an hour after programming.
+
+    Args:
+        seconds: How far to move the clock (s), not negative.
+
+    Returns:
+        The device time after the jump (s).
+
+    Raises:
+        ValueError: `seconds` is negative.
+    """
     return current_chip().advance(seconds)
 
 
 class Event:
-    """Like torch.cuda.Event, but `elapsed_time` reads the simulated device clock (ms)."""
+    """Like torch.cuda.Event, but `elapsed_time` reads the simulated device clock (ms).
+
+    Args:
+        enable_timing: Allow `elapsed_time` between this event and another.
+        blocking: Accepted for torch.cuda.Event's signature (the simulator runs eagerly).
+        interprocess: Accepted for torch.cuda.Event's signature.
+    """
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         self.enable_timing = enable_timing
