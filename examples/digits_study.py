@@ -21,7 +21,7 @@ Every sidra figure is the mean over `chips` physical chips (chip seed: which
 cells are stuck; noise seed: programming and read noise).
 
     python3 examples/digits_study.py                              # print the tables
-    python3 examples/digits_study.py --readme --plot digits.png   # README table + accuracy-vs-time plot
+    python3 examples/digits_study.py --docs --plot docs/images/digits_study.png   # docs/accuracy.md + plot
 
 `run_study(...)` returns the numbers; tests/test_digits_study.py runs it small.
 """
@@ -50,7 +50,7 @@ from sidra_torch import runtime as _runtime
 D = "sidra:0"
 HOUR, DAY, YEAR = 3600.0, 86400.0, 365 * 86400.0
 TIMES = {"1 hour": HOUR, "1 day": DAY, "1 year": YEAR}
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
 START, END = "<!-- digits-study:start -->", "<!-- digits-study:end -->"
 
 
@@ -402,8 +402,9 @@ def summary(r: StudyResult) -> str:
     return "\n".join(lines)
 
 
-def readme_section(r: StudyResult, image: str | None = None) -> str:
-    cmd = "python3 examples/digits_study.py --readme" + (f" --plot {image}" if image else "")
+def page_section(r: StudyResult, image: str | None = None, plot_path: str | None = None) -> str:
+    """The study's table, summary and plot as Markdown (`image`: the plot's link from the page)."""
+    cmd = "python3 examples/digits_study.py --docs" + (f" --plot {plot_path or image}" if image else "")
     text = (
         f"scikit-learn's bundled digits (8x8 images, no download): a small MLP (64-128-64-10) and a small CNN "
         f"(two 3x3 convolutions, linear head) trained on the CPU in float32, tested on {r.n_test} held-out "
@@ -417,13 +418,13 @@ def readme_section(r: StudyResult, image: str | None = None) -> str:
     return text
 
 
-def write_readme(r: StudyResult, path: Path = README, image: str | None = None) -> None:
-    """Replace the text between the digits-study markers of README.md (nothing else)."""
+def write_page(r: StudyResult, path: Path = PAGE, image: str | None = None, plot_path: str | None = None) -> None:
+    """Replace the text between the digits-study markers of docs/accuracy.md (nothing else)."""
     text = path.read_text()
     if START not in text or END not in text:
         raise SystemExit(f"{path} has no {START} ... {END} markers")
     pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-    path.write_text(pattern.sub(lambda _: f"{START}\n{readme_section(r, image)}\n{END}", text, count=1))
+    path.write_text(pattern.sub(lambda _: f"{START}\n{page_section(r, image, plot_path)}\n{END}", text, count=1))
 
 
 def plot(r: StudyResult, path: str) -> None:
@@ -469,7 +470,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="mlp,cnn")
     ap.add_argument("--presets", default="y1,pcm", help="drift timelines to run")
     ap.add_argument("--adc-sweep", default="0.125,0.25", help="ADC full scales to try besides the preset's ('' = none)")
-    ap.add_argument("--readme", action="store_true", help="write the table into README.md between the markers")
+    ap.add_argument("--docs", action="store_true", help="write the table into docs/accuracy.md between the markers")
     ap.add_argument("--plot", metavar="FILE.png", help="draw accuracy against time since programming")
     args = ap.parse_args(argv)
     sweep = tuple(float(v) for v in args.adc_sweep.split(",") if v)
@@ -480,15 +481,15 @@ def main(argv=None) -> int:
     print(f"({r.seconds:.1f} s)")
     if args.plot:
         plot(r, args.plot)
-    if args.readme:
-        # Link the plot from the README when it is drawn inside the repository.
+    if args.docs:
+        # Link the plot from the page when it is drawn inside the docs.
         image = None
         if args.plot:
             try:
-                image = Path(args.plot).resolve().relative_to(README.parent).as_posix()
+                image = Path(args.plot).resolve().relative_to(PAGE.parent).as_posix()
             except ValueError:
                 pass
-        write_readme(r, image=image)
+        write_page(r, image=image, plot_path=args.plot)
     return 0
 
 

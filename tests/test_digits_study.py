@@ -115,22 +115,23 @@ def test_study_is_fast_enough(study):
     assert study.seconds < 60.0
 
 
-def test_readme_table_and_plot(study, tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# title\n\nbefore\n\n" + ds.START + "\nold\n" + ds.END + "\n\nafter\n")
-    ds.write_readme(study, readme)
-    text = readme.read_text()
+def test_page_table_and_plot(study, tmp_path):
+    page = tmp_path / "accuracy.md"
+    page.write_text("# title\n\nbefore\n\n" + ds.START + "\nold\n" + ds.END + "\n\nafter\n")
+    ds.write_page(study, page)
+    text = page.read_text()
     assert text.startswith("# title\n\nbefore\n\n" + ds.START + "\n") and text.endswith(ds.END + "\n\nafter\n")
     assert "old" not in text and "| CPU float32 |" in text and "sidra `y1`, 1 year, drift compensation" in text
-    ds.write_readme(study, readme)  # idempotent
-    assert readme.read_text() == text
+    ds.write_page(study, page)  # idempotent
+    assert page.read_text() == text
     png = tmp_path / "digits.png"
     ds.plot(study, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_project_readme_has_the_study_section():
-    text = (ROOT / "README.md").read_text()
-    assert "## Accuracy on real data (digits)" in text
+def test_the_accuracy_page_has_the_study_section_and_its_plot():
+    text = (ROOT / "docs" / "accuracy.md").read_text()
+    assert "## Digits: accuracy against noise and drift" in text
     start, end = text.index(ds.START), text.index(ds.END)
-    assert text.index("## Accuracy on real data (digits)") < start < end
+    assert text.index("## Digits: accuracy against noise and drift") < start < end
+    assert "](images/digits_study.png)" in text[start:end] and (ROOT / "docs/images/digits_study.png").exists()
