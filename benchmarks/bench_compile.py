@@ -32,6 +32,8 @@ import torch  # noqa: E402
 from floors import mvm_floor, plain_jax  # noqa: E402
 from timing import best_of_rounds  # noqa: E402
 
+import results  # noqa: E402
+
 import sidra_torch  # noqa: E402
 from sidra_core import host  # noqa: E402
 
@@ -89,12 +91,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--models", default="minilm,bert-base")
+    ap.add_argument("--record", action="store_true", help="store the headline figures for docs/performance.md (benchmarks/results.py)")
     args = ap.parse_args(argv)
     print(f"chip {args.chip}, batch {args.batch} x {args.seq} tokens, best median of {args.repeat} over "
           f"{args.rounds} interleaved rounds; "
           f"torch threads {torch.get_num_threads()}")
+    figures = []
     for name in args.models.split(","):
         r = bench(name, args.chip, args.batch, args.seq, args.repeat, args.rounds)
+        shape = f"b{args.batch} x {args.seq} on {args.chip}"
+        figures += [(f"{name} {shape} compiled: sidra / CPU eager", results.ratio(r["compiled"] / r["cpu"]), "<= 1.0x"),
+                    (f"{name} {shape}: torch.compile time", f"{r['compile']:.1f} s", "")]
         print(f"\n{name}: first eager call (programming) {r['program']:.1f} s, compile {r['compile']:.1f} s")
         print(f"  host ms/forward   CPU eager {r['cpu'] * 1e3:8.1f}   sidra eager {r['eager'] * 1e3:8.1f}   "
               f"sidra compiled {r['compiled'] * 1e3:8.1f}")
@@ -106,6 +113,8 @@ def main(argv=None) -> int:
               f"{r['eager'] / r['mvm']:.2f}x")
         print(f"  simulated latency       eager {r['lat_eager'] * 1e3:.3f} ms, compiled {r['lat_comp'] * 1e3:.3f} ms "
               f"({r['lat_eager'] / r['lat_comp']:.1f}x lower)")
+    if args.record:
+        results.record("bench_compile", figures)
     return 0
 
 

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from timing import best_of_rounds, host_kind
 
+import results
+
 import sidra_core as sc
 from sidra_core import host
 
@@ -87,14 +89,19 @@ def main(argv=None) -> int:
     ap.add_argument("--ispp", action="store_true", help="only the ISPP programming benchmark")
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--record", action="store_true", help="store the headline figures for docs/performance.md (benchmarks/results.py)")
     a = ap.parse_args(argv)
     both = not (a.mvm or a.ispp)
     if a.mvm or both:
         print(host_kind())
         print("y1 analog linear (DAC, per-tile read noise, drift, stuck cells, ADC) vs float32 matmul")
         print(f"{'shape':<22}{'torch ms':>10}{'jax ms':>10}{'sidra ms':>10}{'ratio':>8}  (target <= 2.0, stretch 1.5)")
-        for r in bench_mvm(a.repeat, a.rounds):
+        rows = bench_mvm(a.repeat, a.rounds)
+        for r in rows:
             print(f"{r['shape']:<22}{r['torch_ms']:>10.2f}{r['jax_ms']:>10.2f}{r['sidra_y1_ms']:>10.2f}{r['ratio']:>8.2f}")
+        if a.record:
+            results.record("bench_core --mvm", [(f"y1 analog linear {r['shape']}: sidra / float32 matmul",
+                                                 results.ratio(r["ratio"]), "<= 1.5x") for r in rows])
     if a.ispp or both:
         r = bench_ispp()
         print("\nISPP write-verify of BERT-base's linear layers under y1")
@@ -102,6 +109,10 @@ def main(argv=None) -> int:
             print(f"  {key:<32}{v:,.3f}" if isinstance(v, float) else f"  {key:<32}{v:,}")
         print(f"  target: wall <= 20 s -> {'met' if r['wall_s'] <= 20 else 'MISSED'}; "
               f"peak memory < 6 GB -> {'met' if r['peak_rss_gb'] < 6 else 'MISSED'}")
+        if a.record:
+            results.record("bench_core --ispp", [
+                ("ISPP of BERT-base's linear weights, wall", f"{r['wall_s']:.1f} s", "<= 20 s"),
+                ("its peak memory", f"{r['peak_rss_gb']:.1f} GB", "< 6 GB")])
     return 0
 
 

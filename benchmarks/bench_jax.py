@@ -28,6 +28,8 @@ import numpy as np
 from floors import mvm_program
 from timing import best_of_rounds, host_kind
 
+import results
+
 import sidra_core
 from sidra_core import host
 import sidra_jax as sj
@@ -115,6 +117,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke test)")
+    ap.add_argument("--record", action="store_true", help="store the headline figures for docs/performance.md (benchmarks/results.py)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     if args.quick:
@@ -146,6 +149,9 @@ def main(argv=None) -> int:
           f"sidra_core.crossbar.mvm alone for the same MVMs (the floor without changing sidra_core); sidra_jax adds "
           + ", ".join(f"{r['y1']['sidra_ms'] - r['y1']['kernels_ms']:.2f} ms" for r in rows)
           + " (engine ops, attention, Python dispatch) on y1.")
+    if args.record and not args.quick:
+        results.record("bench_jax", [(f"{r['workload']} on y1: sidra_jax / jax.jit", results.ratio(r["y1"]["ratio"]),
+                                      "<= 1.5x") for r in rows])
     return 0
 
 

@@ -23,6 +23,8 @@ import torch  # noqa: E402
 from floors import mvm_floor, plain_jax  # noqa: E402
 from timing import best_of_rounds, host_kind, median_time  # noqa: E402
 
+import results  # noqa: E402
+
 import sidra_torch  # noqa: E402
 from sidra_core import host  # noqa: E402
 
@@ -90,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--record", action="store_true", help="store the headline figures for docs/performance.md (benchmarks/results.py)")
     a = ap.parse_args(argv)
     sidra_torch.set_chip("y1")
     r = bench_minilm(a.batch, a.seq, a.repeat, a.rounds)
@@ -105,6 +108,10 @@ def main(argv=None) -> int:
     d = bench_dispatch()
     print(f"Dispatch overhead per op: CPU {d['cpu_us']:.2f} us, sidra {d['sidra_us']:.2f} us, "
           f"overhead {d['overhead_us']:.2f} us")
+    if a.record:
+        results.record("bench_torch", [
+            (f"MiniLM-L6 b{a.batch} x {a.seq} eager on y1: sidra / CPU", results.ratio(r["ratio"]), "<= 2.0x"),
+            ("per-op dispatch overhead", f"{d['overhead_us']:.1f} us", "<= 20 us")])
     return 0
 
 
