@@ -20,6 +20,7 @@ import sidra_core
 from sidra_core import crossbar, engine, host
 
 from . import nn as _nn
+from . import repeats
 from .plan import Lit, Plan
 
 
@@ -121,21 +122,18 @@ class _Runner:
 
     def __call__(self, snaps, seeds, leaves, consts):
         plan = self.plan
-        env = {}
-        for r, v in zip(plan.in_refs, leaves):
-            env[r] = v
-        for r, v in zip(plan.const_refs, consts):
-            env[r] = v
+        env = dict(zip(plan.in_refs, leaves))
+        env.update(zip(plan.const_refs, consts))
+        self.run(plan.instrs, env, snaps, seeds)
+        return [_read(env, r) for r in plan.out_refs]
 
-        def read(r):
-            return r.val if isinstance(r, Lit) else env[r]
-
-        for ins in plan.instrs:
-            vals = [read(r) for r in ins.ins]
+    def run(self, instrs, env: dict, snaps, seeds) -> None:
+        """Run `instrs` in order on `env` (ref -> value), adding their results to it."""
+        for ins in instrs:
+            vals = [_read(env, r) for r in ins.ins]
             outs = getattr(self, "_" + ins.kind)(ins, vals, snaps, seeds)
             for r, o in zip(ins.outs, outs):
                 env[r] = o
-        return [read(r) for r in plan.out_refs]
 
     # -- exact (free, memory, host) ------------------------------------------------
 
@@ -259,7 +257,51 @@ class _Runner:
         return straight_through(device, self._exact_fused(ins), vals, (snaps[ins.wref], seeds[ins.seed]))
 
 
+def _read(env: dict, r):
+    return r.val if isinstance(r, Lit) else env[r]
+
+
+class _BlockFn:
+    """One repeated block's program, built from the first block with its shape (sidra_jax.repeats):
+    (its snapshots, its seeds, its arguments) -> its outputs."""
+
+    def __init__(self, runner: _Runner, block):
+        self.runner, self.block = runner, block
+
+    def __call__(self, snaps, seeds, args):
+        b = self.block
+        env = dict(zip(b.args, args))
+        self.runner.run(b.instrs, env, dict(zip(b.wrefs, snaps)), dict(zip(b.seeds.tolist(), seeds)))
+        return [env[r] for r in b.outs]
+
+
+class _Chained:
+    """A plan run block after block, each block's program shared by the blocks like it."""
+
+    def __init__(self, plan: Plan, spec, blocks: list):
+        runner, shared = _Runner(plan, spec), {}
+        self.plan = plan
+        self.steps = []
+        for b in blocks:
+            fn = shared.get(b.key)
+            if fn is None:
+                fn = shared[b.key] = host.jit(_BlockFn(runner, b))
+            self.steps.append((fn, b))
+        self.programs = len(shared)
+
+    def __call__(self, snaps, seeds, leaves, consts):
+        plan = self.plan
+        env = dict(zip(plan.in_refs, leaves))
+        env.update(zip(plan.const_refs, consts))
+        for fn, b in self.steps:
+            outs = fn(tuple(snaps[w] for w in b.wrefs), seeds[b.seeds], [env[r] for r in b.args])
+            env.update(zip(b.outs, outs))
+        return [_read(env, r) for r in plan.out_refs]
+
+
 def executor(plan: Plan, spec):
-    """The jitted function (snapshots, seeds, leaves, consts) -> flat outputs of one plan: compiled
-    with XLA_COMPILER_OPTIONS at top level, a plain nested jit under jax.grad or an outer jit."""
-    return host.jit(_Runner(plan, spec))
+    """The function (snapshots, seeds, leaves, consts) -> flat outputs of one plan: one program
+    compiled with XLA_COMPILER_OPTIONS at top level (a plain nested jit under jax.grad or an outer
+    jit), or, where the plan repeats a block (a model's layers), one program per distinct block."""
+    blocks = repeats.blocks(plan)
+    return host.jit(_Runner(plan, spec)) if blocks is None else _Chained(plan, spec, blocks)

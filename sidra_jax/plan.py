@@ -101,6 +101,7 @@ class Plan:
         fused: MVMs fused with their epilogue (graph pricing).
         graph: Priced as one pipelined graph (sidra_core.graph_cost), as torch.compile prices.
         executor: The compiled program that runs the plan (sidra_jax.execute.executor).
+        avals: Each ref's shape and dtype.
     """
 
     in_refs: list
@@ -119,6 +120,7 @@ class Plan:
     fused: int = 0
     graph: bool = False
     executor: object = None
+    avals: dict = field(default_factory=dict)
 
     def crossbar_weights(self) -> list[tuple[int, int, int]]:
         return [(w.leaf, w.k, w.n) for w in self.wrefs]
@@ -656,4 +658,4 @@ def build(closed, spec: ChipSpec, leaf_is_weight: list[bool], leaf_resident: lis
         total = graph_cost.graph_cost([s.price.stage for s in steps])
     return Plan(in_refs=in_refs, out_refs=out_refs, const_refs=b.const_refs, consts=b.consts, instrs=b.instrs,
                 wrefs=wrefs, n_seeds=n_seeds, steps=steps, total=total, counts=counts, spec=spec,
-                fused_bias=fused, fused=epilogues, graph=graph)
+                fused_bias=fused, fused=epilogues, graph=graph, avals=b.avals)
