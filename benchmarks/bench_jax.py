@@ -9,9 +9,7 @@ blocked on) of `sidra_jax.jit(fn)` on the `y1` chip (INT8 DAC/ADC, read noise,
 drift, a fresh noise seed per call, costs charged) against `jax.jit(fn)` in
 float32. Target: ratio <= 1.5x. The same on the `int8` chip (no analog noise)
 for reference, and "MVM kernels": sidra_core.crossbar.mvm alone for the same
-MVMs, the floor sidra_jax cannot go below without changing sidra_core's kernel
-(on y1, with sidra_core.vnni's kernel, its int8 pair and bf16 variance dots
-cost about a float32 matmul and the noise draw and ADC 10-30 % more).
+MVMs, the floor sidra_jax cannot go below without changing sidra_core's kernel.
 Also prints the simulated device latency and energy of one forward. The
 machine is noisy: ratios are from the same run, timings interleaved.
 """

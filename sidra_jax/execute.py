@@ -299,9 +299,17 @@ class _Chained:
         return [_read(env, r) for r in plan.out_refs]
 
 
+def split(plan: Plan):
+    """The plan's repeated blocks to compile once (sidra_jax.repeats), or None for one program.
+    Where the VNNI kernel reads the crossbars an MVM is one custom call: the whole plan compiles in
+    a fraction of a second and runs without a call per block. Where XLA's dots do, each MVM is a
+    large piece of the program, and one program per distinct block compiles and runs faster."""
+    return None if host.vnni_dots() else repeats.blocks(plan)
+
+
 def executor(plan: Plan, spec):
     """The function (snapshots, seeds, leaves, consts) -> flat outputs of one plan: one program
     compiled with XLA_COMPILER_OPTIONS at top level (a plain nested jit under jax.grad or an outer
-    jit), or, where the plan repeats a block (a model's layers), one program per distinct block."""
-    blocks = repeats.blocks(plan)
+    jit), or one program per distinct repeated block (`split`)."""
+    blocks = split(plan)
     return host.jit(_Runner(plan, spec)) if blocks is None else _Chained(plan, spec, blocks)

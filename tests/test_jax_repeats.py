@@ -34,8 +34,7 @@ def _model(layers, eps=lambda i: 1e-5, consts=None):
 
 def _run(f, params, args, preset, chained: bool, monkeypatch):
     with monkeypatch.context() as m:
-        if not chained:
-            m.setattr(repeats, "blocks", lambda plan: None)
+        m.setattr(execute, "split", repeats.blocks if chained else (lambda plan: None))
         chip = sidra_core.Chip.create(preset, seed=3)
         w = sidra_jax.program(params, chip)
         g = sidra_jax.jit(f)
@@ -99,6 +98,19 @@ def test_layers_that_differ_do_not_share_a_program(monkeypatch):
     ref_outs, ref_deltas, _, _ = _run(f, p, args, "int8", False, monkeypatch)
     assert all(np.array_equal(a, b) for a, b in zip(outs, ref_outs)) and deltas == ref_deltas
     assert plan.executor.programs == plain
+
+
+def test_blocks_are_split_where_xlas_dots_read_the_crossbars(monkeypatch):
+    """Where the VNNI kernel reads (an MVM is one custom call) the plan stays one program."""
+    chip = sidra_core.Chip.create("int8", seed=0)
+    w = sidra_jax.program(_params(6), chip)
+    g = sidra_jax.jit(_model(6))
+    g(w, *_args())
+    plan = next(iter(g._plans.values()))
+    for vnni in (True, False):
+        monkeypatch.setattr(execute.host, "vnni_dots", lambda: vnni)
+        assert (execute.split(plan) is None) == vnni
+        assert isinstance(execute.executor(plan, chip.spec), execute._Chained) != vnni
 
 
 def test_a_plan_without_repeats_is_one_program():
