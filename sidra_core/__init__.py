@@ -17,7 +17,7 @@ from .clock import Counters, DeviceClock  # noqa: E402
 from .conv import conv, conv_args, weight_matrix as conv_weight_matrix  # noqa: E402
 from .cost import Cost  # noqa: E402
 from .crossbar import ProgrammedWeight, ProgrammingReport, Snapshot, drifted, linear, mvm, mvm_kwargs, program, reprogram, snapshot  # noqa: E402
-from .device import Chip, EnduranceWarning, Resident  # noqa: E402
+from .device import Chip, EnduranceWarning, HostMemoryError, Resident  # noqa: E402
 from .ispp import ISPPResult, program_cells  # noqa: E402
 from .mapping import ChipCapacityError, ChipMapping, TileGrid, capacity_error, chips_needed, map_weights, system_tiles, tile_grid  # noqa: E402
 from .quant import QuantisedWeight, from_int8, quantise_rows, quantise_weight  # noqa: E402

@@ -44,6 +44,22 @@ class _Shape:
         return -(-self.k // self.rows)
 
 
+def held_bytes(a) -> int:
+    """The host bytes array `a` holds: a broadcast view (a stride of 0) counts the values it stores."""
+    strides = getattr(a, "strides", None)
+    if strides and 0 in strides:
+        return int(a.itemsize) * math.prod(d for d, st in zip(a.shape, strides) if st != 0)
+    return int(a.nbytes)
+
+
+def state_bytes_per_cell(spec: ChipSpec) -> int:
+    """Host bytes of a freshly programmed weight per padded cell pair (ProgrammedWeight's per-cell
+    arrays: the target code, both planes' conductances, drift exponents, stuck states and write
+    counts, and in float mode the float target), so a model's need is known before it is programmed."""
+    per_plane = 4 + 4 + 1 + 4  # g, nu (float32), stuck (int8), writes (int32); t_prog is one broadcast value
+    return 1 + 2 * per_plane + (0 if spec.quantised else 4)
+
+
 @dataclass(frozen=True)
 class ProgrammedWeight:
     """The programmed state of one weight on its tiles (host arrays, padded to the grid).
@@ -70,6 +86,12 @@ class ProgrammedWeight:
     adc_full_scale: np.ndarray  # float32 (grid_k, Np): per tile-column range in code units
     tile_ids: tuple[int, ...]  # physical tile of each grid tile, row-major over (grid_k, grid_n)
     programming: "ProgrammingReport"
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory its arrays hold (a broadcast array, such as one programming time for every
+        cell, by the values it stores)."""
+        return sum(held_bytes(v) for v in vars(self).values() if isinstance(v, np.ndarray))
 
     @functools.cached_property
     def ref_norm(self) -> np.ndarray:
@@ -536,6 +558,12 @@ class Snapshot:
     shape: _Shape
     corr: jax.Array | None = None
     var_scale: jax.Array | None = None  # the step of `var`'s integer levels per tile column, if any
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory its arrays hold."""
+        arrays = [*self.w, *(self.var or ()), self.lsb, self.gain, self.scale, self.corr, self.var_scale]
+        return sum(held_bytes(a) for a in arrays if a is not None)
 
     @functools.cached_property
     def kernel_weights(self) -> tuple:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import buckets, crossbar, engine, ops, rng, vnni
+from . import buckets, crossbar, engine, host, ops, rng, vnni
 from .conv import conv as conv_kernel
 from .conv import conv_args, output_positions
 from .clock import DeviceClock
@@ -36,6 +36,10 @@ class EnduranceWarning(UserWarning):
     Args:
         message: How many cells, and the endurance they passed.
     """
+
+
+class HostMemoryError(MemoryError):
+    """A model's programmed state needs more host memory than is available (Chip.check_fits)."""
 
 
 @dataclass
@@ -134,10 +138,30 @@ class Chip:
         return free[:tiles]
 
     def check_fits(self, shapes, name: str = "model") -> None:
-        """Raise ChipCapacityError before programming anything if these K x N weights cannot fit."""
-        need = sum(tile_grid(k, n, self.spec).tiles for k, n in shapes)
+        """Raise ChipCapacityError before programming anything if these K x N weights cannot fit on
+        the tiles, HostMemoryError if their programmed state cannot fit in the host's memory."""
+        grids = [tile_grid(k, n, self.spec) for k, n in shapes]
+        need = sum(g.tiles for g in grids)
         if need > self.tiles_total - self.tiles_in_use:
             raise capacity_error(name, need, self.tiles_in_use, self.spec)
+        per_cell = crossbar.state_bytes_per_cell(self.spec)
+        need_bytes = per_cell * sum(g.k_padded * g.n_padded for g in grids)
+        free = host.available_memory()
+        if free is not None and need_bytes > free:
+            gib = 2 ** 30
+            raise HostMemoryError(
+                f"{name} needs {need_bytes / gib:.2f} GiB of host memory for its programmed state "
+                f"({sum(g.k * g.n for g in grids):,} weights on {need} tiles, {per_cell} bytes per cell pair), but "
+                f"{free / gib:.2f} GiB is available: free memory, program fewer or smaller weights, or run on a "
+                f"host with more memory")
+
+    def host_memory(self) -> dict[str, int]:
+        """Host memory of the programmed weights: `weights` (K x N summed), `state_bytes` (their
+        programmed state) and `snapshot_bytes` (their cached read snapshots)."""
+        live = self.residents
+        return {"weights": sum(r.state.grid.k * r.state.grid.n for r in live),
+                "state_bytes": sum(r.state.host_bytes for r in live),
+                "snapshot_bytes": sum(r.snap.host_bytes for r in live if r.snap is not None)}
 
     # -- programming --------------------------------------------------------
 

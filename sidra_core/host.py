@@ -199,6 +199,18 @@ def jit(fn=None, **jit_kwargs):
     return call
 
 
+def available_memory() -> int | None:
+    """Bytes of host memory new allocations can have (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def tune() -> dict[str, bool]:
     """Set this process up for the simulator: compiled kernels persist across processes
     (use_compilation_cache), glibc's malloc keeps freed memory (keep_freed_memory), XLA programs run

@@ -351,6 +351,11 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
     chip = current_chip()
     mem = _STATE.memory
     mib = 1024 ** 2
+    host = chip.host_memory()
+
+    def per_weight(key):
+        return host[key] / max(host["weights"], 1)
+
     return "\n".join([
         f"SIDRA memory summary ({chip.spec.name} chip)",
         f"  device memory   : {mem.allocated / mib:10.2f} MiB allocated, peak {mem.peak / mib:.2f} MiB, "
@@ -358,6 +363,9 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
         f"  allocations     : {mem.allocations} allocated, {mem.frees} freed",
         f"  crossbar tiles  : {chip.tiles_in_use} of {chip.tiles_total} programmed "
         f"({len(chip.residents)} weights)",
+        f"  host memory     : {(host['state_bytes'] + host['snapshot_bytes']) / mib:10.2f} MiB for "
+        f"{host['weights']:,} programmed weights ({per_weight('state_bytes'):.1f} B per weight of programmed "
+        f"state, {per_weight('snapshot_bytes'):.1f} B of read snapshots)",
     ])
 
 

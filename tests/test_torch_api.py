@@ -192,6 +192,19 @@ def test_memory_summary(ideal):
     assert isinstance(torch.sidra.memory_summary(0, abbreviated=True), str)
 
 
+def test_memory_summary_reports_host_memory_per_programmed_weight(restore_chip):
+    collect()
+    with sidra_torch.use_chip("int8") as chip:
+        lin = nn.Linear(256, 256).to(D)
+        with torch.no_grad():
+            lin(torch.randn(2, 256, device=D))
+        host = chip.host_memory()
+        s = torch.sidra.memory_summary()
+        assert host["weights"] >= 256 * 256 and host["state_bytes"] > 0 and host["snapshot_bytes"] > 0
+        per = host["state_bytes"] / host["weights"]
+        assert f"{host['weights']:,} programmed weights ({per:.1f} B per weight of programmed state" in s
+
+
 def test_model_memory_counted(ideal):
     collect()
     m0 = torch.sidra.memory_allocated()
@@ -465,6 +478,25 @@ def test_capacity_is_checked_for_the_whole_model_first(restore_chip):
         ok = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).to(D)
         ok(torch.randn(1, 256, device=D))
         assert chip.tiles_in_use == tiles0 + 2
+
+
+def test_a_model_too_large_for_the_hosts_memory_is_refused_before_programming(restore_chip, monkeypatch):
+    collect()
+    from sidra_core import host
+
+    with sidra_torch.use_chip("int8") as chip:
+        model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512)).to(D)
+        w0 = model[0].weight.detach().cpu().clone()
+        tiles0 = chip.tiles_in_use
+        monkeypatch.setattr(host, "available_memory", lambda: 1 << 20)
+        with Delta() as d:
+            with pytest.raises(sidra_core.HostMemoryError, match=r"needs 0\.01 GiB of host memory.*524,288 weights"
+                                                                 r".*0\.00 GiB is available"):
+                model(torch.randn(1, 512, device=D))
+        assert chip.tiles_in_use == tiles0 and d["cells_programmed"] == 0
+        assert torch.equal(model[0].weight.detach().cpu(), w0)
+        monkeypatch.undo()
+        assert model(torch.randn(1, 512, device=D)).shape == (1, 512)  # the same model, once memory is there
 
 
 def test_capacity_error_for_a_bare_weight(restore_chip):
