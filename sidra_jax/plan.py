@@ -475,33 +475,49 @@ def _bias_source(b: _Builder, defs: dict, ref, out_shape, axis: int):
         src = d.ins[0]
 
 
-def _fuse_bias(b: _Builder, out_refs: list) -> int:
-    defs, order = {}, {}
-    uses: dict = {}
+@dataclass
+class _Uses:
+    """Where each ref of a builder's instructions is defined and used (taken before a pass edits them)."""
+
+    defs: dict     # ref -> the instruction defining it
+    index: dict    # id(instruction) -> its position
+    users: dict    # ref -> [(instruction, operand position)], one entry per use
+    outputs: set   # the refs the function returns
+
+    def only_user(self, r):
+        """(instruction, operand position) of r's one use, or None (several, none, or an output)."""
+        u = self.users.get(r, ())
+        return u[0] if len(u) == 1 and r not in self.outputs else None
+
+    def position(self, r) -> int:
+        """The position of r's defining instruction; -1 for an argument or constant."""
+        d = None if isinstance(r, Lit) else self.defs.get(r)
+        return -1 if d is None else self.index[id(d)]
+
+
+def _uses(b: _Builder, out_refs: list) -> _Uses:
+    u = _Uses({}, {}, {}, {r for r in out_refs if not isinstance(r, Lit)})
     for idx, ins in enumerate(b.instrs):
+        u.index[id(ins)] = idx
         for r in ins.outs:
-            defs[r] = ins
-            order[r] = idx
-        for r in ins.ins:
-            if not isinstance(r, Lit):
-                uses[r] = uses.get(r, 0) + 1
-    for r in out_refs:
-        if not isinstance(r, Lit):
-            uses[r] = uses.get(r, 0) + 100
-    user = {}
-    for ins in b.instrs:
+            u.defs[r] = ins
         for pos, r in enumerate(ins.ins):
-            if not isinstance(r, Lit) and uses.get(r) == 1:
-                user[r] = (ins, pos)
+            if not isinstance(r, Lit):
+                u.users.setdefault(r, []).append((ins, pos))
+    return u
+
+
+def _fuse_bias(b: _Builder, out_refs: list) -> int:
+    uses = _uses(b, out_refs)
     fused = 0
     drop = set()
     for idx, ins in enumerate(b.instrs):
         if ins.kind not in ("mvm", "conv"):
             continue
-        y = ins.outs[0]
-        if y not in user:
+        hit = uses.only_user(ins.outs[0])
+        if hit is None:
             continue
-        add, pos = user[y]
+        add, pos = hit
         if add.prim is None or add.prim.name != "add" or add.kind != "elementwise":
             continue
         other = add.ins[1 - pos]
@@ -511,9 +527,9 @@ def _fuse_bias(b: _Builder, out_refs: list) -> int:
         axis = ins.meta["feature_axis"]
         if axis is None:  # an N-d weight's output: its bias stays an engine add
             continue
-        src = _bias_source(b, defs, other, out_shape, axis)
+        src = _bias_source(b, uses.defs, other, out_shape, axis)
         # The MVM stays where the matmul was: its bias must exist by then.
-        if src is None or not _is_float(b.aval(src)) or order.get(src, -1) >= idx:
+        if src is None or not _is_float(b.aval(src)) or uses.position(src) >= idx:
             continue
         bshape = [1] * len(out_shape)
         bshape[axis] = out_shape[axis]
@@ -569,23 +585,14 @@ def _epilogue(head, only_user, defined_after) -> list:
 def _fuse_epilogues(b: _Builder, out_refs: list) -> int:
     """Each crossbar MVM with its epilogue becomes one device op (sidra_core.ops.fused): the
     epilogue's results stream beside the MVM's; the instructions still run as they are."""
-    defs, order, users = {}, {}, {}
-    for idx, ins in enumerate(b.instrs):
-        order[id(ins)] = idx
-        for r in ins.outs:
-            defs[r] = ins
-        for r in ins.ins:
-            if not isinstance(r, Lit):
-                users.setdefault(r, []).append(ins)
-    outputs = {r for r in out_refs if not isinstance(r, Lit)}
+    uses = _uses(b, out_refs)
 
     def only_user(r):
-        u = users.get(r, ())
-        return u[0] if len(u) == 1 and r not in outputs else None
+        hit = uses.only_user(r)
+        return None if hit is None else hit[0]
 
     def defined_after(r, head) -> bool:
-        d = None if isinstance(r, Lit) else defs.get(r)
-        return d is not None and order[id(d)] > order[id(head)]
+        return uses.position(r) > uses.index[id(head)]
 
     fused = 0
     for head in b.instrs:
