@@ -34,7 +34,7 @@ from sidra_core.engine import STORAGE
 
 from . import rnn, runtime, transformer
 from sidra_core.dlpack import to_jax
-from .weights import conv_layout, conv_matrix, resident, weight_base
+from .weights import conv_layout, conv_matrix, host_values, resident, weight_base
 
 aten = torch.ops.aten
 
@@ -275,8 +275,7 @@ def _conv_transpose(x, w, bias, stride, padding, dilation, output_padding):
     n, _, h, wd = x.shape
     kh, kw = w.shape[-2:]
     chip = runtime.current_chip()
-    res = resident(chip, w, "transposed conv", matrix_fn=lambda v, _: v._inner.detach().to(torch.float32)
-                   .reshape(c_in, -1).numpy())
+    res = resident(chip, w, "transposed conv", matrix_fn=lambda v, _: host_values(v).reshape(c_in, -1))
     cols = _to_torch(chip.linear(res, _to_host(x.permute(0, 2, 3, 1).reshape(-1, c_in))), x.dtype)
     # The whole grid the input positions reach, then `padding` cropped at the start of each axis and
     # `padding - output_padding` at its end (output padding past the grid is zeros).

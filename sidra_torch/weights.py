@@ -172,13 +172,16 @@ def _version(base) -> tuple:
     return (version, base.__dict__.get(_WRITES, 0), id(base._inner))
 
 
+def host_values(view) -> np.ndarray:
+    """A device weight view's values as float32 on the host (a strided view of the weight where it
+    can be: programming reads it once, into INT8 codes)."""
+    return view._inner.detach().to(torch.float32).numpy()
+
+
 def matrix(view, transpose: bool) -> np.ndarray:
-    """The K x N matrix a weight view presents to the crossbar, as float32 on the host (a strided
-    view of the weight where it can be: programming reads it once, into INT8 codes)."""
-    m = view._inner.detach()
-    if transpose:
-        m = m.t()
-    return m.to(torch.float32).numpy()
+    """The K x N matrix a weight view presents to the crossbar (`host_values`, transposed if asked)."""
+    m = host_values(view)
+    return m.T if transpose else m
 
 
 def _key(view, layout) -> tuple:
@@ -223,7 +226,7 @@ def conv_layout(groups: int) -> tuple:
 
 def conv_matrix(view, layout) -> np.ndarray:
     """`matrix_fn` of a convolution kernel (`layout` from conv_layout)."""
-    return conv_weight_matrix(view._inner.detach().to(torch.float32).numpy(), layout[1])
+    return conv_weight_matrix(host_values(view), layout[1])
 
 
 _REPROGRAMMED: dict = {}  # chip id -> residents reprogrammed, in order (the last few)

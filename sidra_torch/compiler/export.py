@@ -16,15 +16,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .. import tensor as _t
 from .lowering import TABLE
-from .program import DECOMPOSITIONS, _to_jax_tree, lowered_function
-
-
-def _host(t):
-    """A tensor's values on the host without a device transfer (a device tensor's own memory)."""
-    t = t.detach()
-    return _t.unwrap(t) if isinstance(t, _t.SidraTensor) else t
+from .program import DECOMPOSITIONS, _to_jax_tree, host_value, lowered_function
 
 
 def to_jax(model: torch.nn.Module, *example_args):
@@ -34,8 +27,8 @@ def to_jax(model: torch.nn.Module, *example_args):
     names it: torch.compile would run it eagerly, a JAX function cannot)."""
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     names = list(named)
-    values = [_host(t) for t in named.values()]
-    plain = [_host(a) if isinstance(a, torch.Tensor) else a for a in example_args]
+    values = [host_value(t.detach()) for t in named.values()]
+    plain = [host_value(a.detach()) if isinstance(a, torch.Tensor) else a for a in example_args]
 
     def forward(params, *args):
         out = torch.func.functional_call(model, dict(zip(names, params)), args)

@@ -37,7 +37,7 @@ from sidra_jax.weights import layout_matrix
 from .. import runtime
 from .. import tensor as _t
 from ..dispatch import CHIP_FLOATS, fused_attention
-from ..weights import _version, conv_layout, conv_matrix, fresh, held, matrix, resident, weight_base
+from ..weights import _version, conv_layout, conv_matrix, fresh, held, host_values, matrix, resident, weight_base
 from .lowering import TABLE, jnp_dtype
 from .mapping import MappingReport, WeightMapping
 
@@ -187,7 +187,7 @@ class TorchSlot:
             return key[2] == 1, matrix  # contracted on dim 1: the crossbar holds W^T
         if not chain and kind == "conv" and key[2] == tuple(range(len(key[2]))):
             return conv_layout(key[3]), conv_matrix
-        return ("jax", key), lambda v, _: layout_matrix(v._inner.detach().to(torch.float32).numpy(), key)
+        return ("jax", key), lambda v, _: layout_matrix(host_values(v), key)
 
     def fresh(self, key):
         return fresh(runtime.current_chip(), self.tensor, self._layout(key)[0])
@@ -205,7 +205,7 @@ class Plan:
     def __init__(self, gm: fx.GraphModule, args: list, names: list[str]):
         chip = runtime.current_chip()
         self.spec = chip.spec
-        plain = [_t.unwrap(a) if isinstance(a, _t.SidraTensor) else a for a in args]
+        plain = [host_value(a) for a in args]
         # A fresh fake mode with these concrete shapes, not dynamo's symbolic one: a plan
         # is specialised to its signature.
         with torch.no_grad(), torch._guards.tracing(None):
@@ -319,8 +319,14 @@ def _eager(n, env):
     return n.target(*args, **kwargs)
 
 
+def host_value(v):
+    """A value as the host holds it: a sidra tensor's own CPU tensor (aliased, no transfer), anything
+    else as it is."""
+    return _t.unwrap(v) if isinstance(v, _t.SidraTensor) else v
+
+
 def _to_jax(t: torch.Tensor):
-    inner = _t.unwrap(t) if isinstance(t, _t.SidraTensor) else t
+    inner = host_value(t)
     if inner.dtype == torch.int64:
         inner = inner.to(torch.int32)
     elif inner.dtype == torch.float64:
