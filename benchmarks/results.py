@@ -30,7 +30,7 @@ KINDS = {
 }
 
 
-def host_kind(flags: set[str] | None = None, machine: str | None = None) -> str:
+def kind(flags: set[str] | None = None, machine: str | None = None) -> str:
     """This host's kind (a key of KINDS) from the CPU flags the simulator chooses by
     (`sidra_core.host.cpu_flags()`, which SIDRA_CPU_FLAGS replaces)."""
     if flags is None:
@@ -64,8 +64,7 @@ def record(bench: str, figures: list[tuple[str, str, str]], path: Path | None = 
 
     from sidra_core import host
 
-    kind = host_kind()
-    path = path or RESULTS / f"{kind}.json"
+    path = path or RESULTS / f"{kind()}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     forced = os.environ.get("SIDRA_CPU_FLAGS")
     data[bench] = {
@@ -83,8 +82,8 @@ def record(bench: str, figures: list[tuple[str, str, str]], path: Path | None = 
 def tables(results: Path = RESULTS) -> str:
     """The Markdown of every recorded kind's table (kinds without results are listed as such)."""
     out = []
-    for kind, title in KINDS.items():
-        path = results / f"{kind}.json"
+    for slug, title in KINDS.items():
+        path = results / f"{slug}.json"
         out.append(f"### {title}\n")
         if not path.exists():
             out.append("No recorded run yet.\n")

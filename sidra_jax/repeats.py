@@ -2,9 +2,8 @@
 twelve times, not one program twelve layers long (XLA's compile time grows with the program).
 
 The instruction list is cut where few values are live (between layers: the hidden state and the
-attention mask), each block holding at least one crossbar MVM: at the fewest that gives repeating
-blocks.
-Blocks whose instructions, shapes, parameters and operand wiring are the same share one jitted
+attention mask; the fewest that gives repeating blocks), each block holding at least one crossbar
+MVM. Blocks whose instructions, shapes, parameters and operand wiring are the same share one jitted
 function; it takes its block's inputs, read snapshots and noise seeds as arguments. Nothing is
 cut where no block repeats. The blocks run the same instructions in the same order with the same
 operands as one program would.

@@ -351,10 +351,10 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
     chip = current_chip()
     mem = _STATE.memory
     mib = 1024 ** 2
-    host = chip.host_memory()
+    held = chip.host_memory()
 
     def per_weight(key):
-        return host[key] / max(host["weights"], 1)
+        return held[key] / max(held["weights"], 1)
 
     return "\n".join([
         f"SIDRA memory summary ({chip.spec.name} chip)",
@@ -363,8 +363,8 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
         f"  allocations     : {mem.allocations} allocated, {mem.frees} freed",
         f"  crossbar tiles  : {chip.tiles_in_use} of {chip.tiles_total} programmed "
         f"({len(chip.residents)} weights)",
-        f"  host memory     : {(host['state_bytes'] + host['snapshot_bytes']) / mib:10.2f} MiB for "
-        f"{host['weights']:,} programmed weights ({per_weight('state_bytes'):.1f} B per weight of programmed "
+        f"  host memory     : {(held['state_bytes'] + held['snapshot_bytes']) / mib:10.2f} MiB for "
+        f"{held['weights']:,} programmed weights ({per_weight('state_bytes'):.1f} B per weight of programmed "
         f"state, {per_weight('snapshot_bytes'):.1f} B of read snapshots)",
     ])
 

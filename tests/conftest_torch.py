@@ -33,6 +33,14 @@ SAME_DEVICE_MSG = "Expected all tensors to be on the same device"
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches empty before and after the test (a compiled graph of one test is not reused)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def restore_chip():
     """Put back the chip (and the device seed) that was current before the test."""
     prev_chip, prev_seed = _runtime.current_chip(), _runtime.initial_seed()

@@ -20,12 +20,12 @@ import results  # noqa: E402
     (set(), "aarch64", "arm64"),
 ])
 def test_host_kind_follows_the_instruction_set(flags, machine, kind):
-    assert results.host_kind(flags, machine) == kind
+    assert results.kind(flags, machine) == kind
 
 
 def test_the_portable_flags_record_as_an_avx2_host(monkeypatch):
     monkeypatch.setenv("SIDRA_CPU_FLAGS", "avx2 fma")
-    assert results.host_kind(machine="x86_64") == "x86-avx2"
+    assert results.kind(machine="x86_64") == "x86-avx2"
 
 
 def test_record_then_render_one_table_per_kind(tmp_path, monkeypatch):

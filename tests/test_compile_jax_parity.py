@@ -19,7 +19,7 @@ import sidra_jax as sj
 import sidra_torch
 from sidra_torch.compiler import to_jax
 
-from conftest_torch import D, load_minilm, restore_chip  # noqa: F401
+from conftest_torch import D, fresh_dynamo, load_minilm, restore_chip  # noqa: F401
 
 transformers.logging.set_verbosity_error()
 
@@ -29,11 +29,7 @@ COUNTERS = ("mvms", "tile_reads", "engine_ops", "memory_ops", "pulses", "cells_p
 _seeds = itertools.count(9700)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _minilm():

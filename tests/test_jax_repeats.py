@@ -50,6 +50,23 @@ def _run(f, params, args, preset, chained: bool, monkeypatch):
         return outs, deltas, [np.asarray(v) for v in jax.tree.leaves(grads)], plan
 
 
+def _planned(layers):
+    """(the plan of a `layers`-layer model after one call, its chip)."""
+    chip = sidra_core.Chip.create("int8", seed=0)
+    w = sidra_jax.program(_params(layers), chip)
+    g = sidra_jax.jit(_model(layers))
+    g(w, *_args())
+    return next(iter(g._plans.values())), chip
+
+
+def _chained_is_one_program(f, p, args, monkeypatch):
+    """Run f chained and as one program (int8): the same outputs and charges. Returns the chained plan."""
+    outs, deltas, _, plan = _run(f, p, args, "int8", True, monkeypatch)
+    ref_outs, ref_deltas, _, _ = _run(f, p, args, "int8", False, monkeypatch)
+    assert all(np.array_equal(a, b) for a, b in zip(outs, ref_outs)) and deltas == ref_deltas
+    return plan
+
+
 def _args(d=64):
     rng = np.random.default_rng(1)
     return rng.standard_normal((16, d)).astype(np.float32), (rng.random((16, d)) > 0.2).astype(np.float32)
@@ -82,31 +99,19 @@ def test_layers_that_differ_do_not_share_a_program(monkeypatch):
     (an argument of the block), so those layers share as plain ones do."""
     p, args = _params(6), _args()
     plain = _run(_model(6), p, args, "int8", True, monkeypatch)[3].executor.programs
-    f = _model(6, eps=lambda i: 1e-5 if i % 2 else 1e-3)
-    outs, deltas, _, plan = _run(f, p, args, "int8", True, monkeypatch)
-    ref_outs, ref_deltas, _, _ = _run(f, p, args, "int8", False, monkeypatch)
-    assert all(np.array_equal(a, b) for a, b in zip(outs, ref_outs)) and deltas == ref_deltas
-    ex = plan.executor
+    ex = _chained_is_one_program(_model(6, eps=lambda i: 1e-5 if i % 2 else 1e-3), p, args, monkeypatch).executor
     assert ex.programs > plain
     for fn, b in ex.steps:
         for fn2, b2 in ex.steps:
             if fn is fn2:
                 assert _eps(b) == _eps(b2)
     consts = [jnp.full((64,), 0.01 * i, jnp.float32) for i in range(6)]
-    f = _model(6, consts=consts)
-    outs, deltas, _, plan = _run(f, p, args, "int8", True, monkeypatch)
-    ref_outs, ref_deltas, _, _ = _run(f, p, args, "int8", False, monkeypatch)
-    assert all(np.array_equal(a, b) for a, b in zip(outs, ref_outs)) and deltas == ref_deltas
-    assert plan.executor.programs == plain
+    assert _chained_is_one_program(_model(6, consts=consts), p, args, monkeypatch).executor.programs == plain
 
 
 def test_blocks_are_split_where_xlas_dots_read_the_crossbars(monkeypatch):
     """Where the VNNI kernel reads (an MVM is one custom call) the plan stays one program."""
-    chip = sidra_core.Chip.create("int8", seed=0)
-    w = sidra_jax.program(_params(6), chip)
-    g = sidra_jax.jit(_model(6))
-    g(w, *_args())
-    plan = next(iter(g._plans.values()))
+    plan, chip = _planned(6)
     for vnni in (True, False):
         monkeypatch.setattr(execute.host, "vnni_dots", lambda: vnni)
         assert (execute.split(plan) is None) == vnni
@@ -114,20 +119,12 @@ def test_blocks_are_split_where_xlas_dots_read_the_crossbars(monkeypatch):
 
 
 def test_a_plan_without_repeats_is_one_program():
-    chip = sidra_core.Chip.create("int8", seed=0)
-    w = sidra_jax.program(_params(1), chip)
-    g = sidra_jax.jit(_model(1))
-    g(w, *_args())
-    plan = next(iter(g._plans.values()))
+    plan, _ = _planned(1)
     assert repeats.blocks(plan) is None and not isinstance(plan.executor, execute._Chained)
 
 
 def test_cuts_keep_every_value_a_later_block_reads():
-    chip = sidra_core.Chip.create("int8", seed=0)
-    w = sidra_jax.program(_params(6), chip)
-    g = sidra_jax.jit(_model(6))
-    g(w, *_args())
-    plan = next(iter(g._plans.values()))
+    plan, _ = _planned(6)
     bl = repeats.blocks(plan)
     defined = set(plan.in_refs) | set(plan.const_refs)
     for b in bl:

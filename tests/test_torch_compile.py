@@ -15,7 +15,7 @@ import torch
 import sidra_torch
 from sidra_torch.compiler import compiled_graphs, mapping_report
 
-from conftest_torch import D, ideal, int8, load_minilm, max_abs_diff, restore_chip  # noqa: F401
+from conftest_torch import D, fresh_dynamo, ideal, int8, load_minilm, max_abs_diff, restore_chip  # noqa: F401
 
 import transformers
 transformers.logging.set_verbosity_error()
@@ -24,11 +24,7 @@ CHIPS = ["ideal", "int8", "y1"]
 TOL = {"ideal": 1e-5, "int8": 1e-5, "y1": 1e-5}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _bert():
