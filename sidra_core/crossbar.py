@@ -23,6 +23,7 @@ import numpy as np
 
 from . import buckets, dlpack, host, ispp, rng, vnni
 from .blocks import map_blocks
+from .cells import Levels, Rewrites, pack_bits, per_cell, tile_max, tile_of, unpack_bits
 from .mapping import TileGrid, tile_grid
 from .quant import QMAX, QuantisedWeight, from_int8, quantise_rows, quantise_weight
 from .spec import ChipSpec
@@ -52,52 +53,120 @@ def held_bytes(a) -> int:
     return int(a.nbytes)
 
 
-def state_bytes_per_cell(spec: ChipSpec) -> int:
-    """Host bytes of a freshly programmed weight per padded cell pair (ProgrammedWeight's per-cell
-    arrays: the target code, both planes' conductances, drift exponents, stuck states and write
-    counts, and in float mode the float target), so a model's need is known before it is programmed."""
-    per_plane = 4 + 4 + 1 + 4  # g, nu (float32), stuck (int8), writes (int32); t_prog is one broadcast value
-    return 1 + 2 * per_plane + (0 if spec.quantised else 4)
+def state_bytes_per_cell(spec: ChipSpec) -> float:
+    """Host bytes of a freshly programmed weight per padded cell pair (sidra_core.cells: the target
+    code, both planes' 16-bit conductances and drift bits; in float mode the float target and
+    float32 conductances instead), so a model's need is known before it is programmed."""
+    if spec.quantised:
+        return 1 + 2 * (2 + 1 / 8)
+    return 4 + 2 * (4 + 1 / 8)
 
 
 @dataclass(frozen=True)
 class ProgrammedWeight:
     """The programmed state of one weight on its tiles (host arrays, padded to the grid).
 
-    Conductances are in siemens; `t_prog` is the device time (s) each weight
-    cell was last written, `nu_*` the per-cell drift exponents, `writes_*`
-    the per-cell write (pulse) counts for endurance.
+    Held as sidra_core.cells describes: per cell the target code, the conductances in 16 bits and
+    a drift bit; write counts per tile; drift exponents and stuck maps drawn again from the chip's
+    streams; cells rewritten since programming on their own (`rewrites`). The per-cell views
+    (`g_plus`, `nu_plus`, `stuck_plus`, `t_prog_plus`, `writes_plus` and their `_minus` twins:
+    conductances in siemens, drift exponents, stuck states, last write times and write counts)
+    are computed when asked for.
     """
 
     grid: TileGrid
-    codes: np.ndarray  # int8 (Kp, Np): target codes (float mode: unused zeros)
+    spec: ChipSpec
+    codes: np.ndarray  # int8 (Kp, Np): target codes (float mode: a broadcast zero)
     target_w: np.ndarray | None  # float32 (Kp, Np) weights in float mode, else None
     scale: np.ndarray  # float32 (N,): float value of one code per output column
-    g_plus: np.ndarray  # float32 (Kp, Np)
-    g_minus: np.ndarray
-    nu_plus: np.ndarray  # float32 (Kp, Np), 0 where no drift
-    nu_minus: np.ndarray
-    stuck_plus: np.ndarray  # int8 (Kp, Np): 0 ok, -1 stuck at G_min, +1 stuck at G_max
-    stuck_minus: np.ndarray
-    t_prog_plus: np.ndarray  # float32 (Kp, Np): device time each cell was last written
-    t_prog_minus: np.ndarray
-    writes_plus: np.ndarray  # int32 (Kp, Np)
-    writes_minus: np.ndarray
+    g: tuple[np.ndarray, np.ndarray]  # per plane (plus, minus): uint16 cells.Levels, float32 siemens in float mode
+    seed: int  # the programming's seed, which keys its cells' drift exponents
+    t_prog: np.float32  # device time of the programming
+    drifts: tuple[np.ndarray, np.ndarray]  # per plane: cells.pack_bits of the cells given a drift exponent
+    tile_writes: tuple[np.ndarray, np.ndarray]  # per plane: int32 (grid_k, grid_n), the most pulses of a cell
+    rewrites: tuple[Rewrites, Rewrites]  # per plane: cells written again since programming
     adc_full_scale: np.ndarray  # float32 (grid_k, Np): per tile-column range in code units
     tile_ids: tuple[int, ...]  # physical tile of each grid tile, row-major over (grid_k, grid_n)
     programming: "ProgrammingReport"
 
     @property
     def host_bytes(self) -> int:
-        """Host memory its arrays hold (a broadcast array, such as one programming time for every
-        cell, by the values it stores)."""
-        return sum(held_bytes(v) for v in vars(self).values() if isinstance(v, np.ndarray))
+        """Host memory its arrays hold (a broadcast array by the values it stores)."""
+        arrays = [self.codes, self.target_w, self.scale, *self.g, *self.drifts, *self.tile_writes, self.adc_full_scale]
+        return sum(held_bytes(a) for a in arrays if a is not None) + sum(r.host_bytes for r in self.rewrites)
+
+    @functools.cached_property
+    def levels(self) -> Levels:
+        return _levels(self.spec)
+
+    def conductances(self, plane: int) -> np.ndarray:
+        """float32 (Kp, Np): a plane's programmed conductances (S), undrifted (read-only in float mode)."""
+        g = self.g[plane]
+        return g if g.dtype == np.float32 else self.levels.decode(g)
+
+    def exponents(self, plane: int, ids: np.ndarray | None = None) -> np.ndarray:
+        """float32 (Kp, Np): a plane's drift exponents, drawn again from the programming's stream for
+        the cells it gave one, a rewritten cell's own; zeros on a chip without drift."""
+        shape = (self.grid.k_padded, self.grid.n_padded)
+        if not self.spec.drifts:
+            return np.zeros(shape, np.float32)
+        ids = _cell_ids(self.grid, self.tile_ids) if ids is None else ids
+        nu = _nu(ids, plane, self.seed, self.spec)
+        nu = dlpack.aligned(nu)  # (a copy where it is not one that XLA shares, or read-only)
+        np.multiply(nu, unpack_bits(self.drifts[plane], shape), out=nu)
+        r = self.rewrites[plane]
+        nu.ravel()[r.idx] = r.nu
+        return nu
+
+    def stuck(self, plane: int, ids: np.ndarray | None = None) -> np.ndarray:
+        """int8 (Kp, Np): a plane's stuck cells (0 ok, -1 at G_min, +1 at G_max), from the chip's stream."""
+        if self.target_w is not None:
+            return np.zeros((self.grid.k_padded, self.grid.n_padded), np.int8)
+        return _stuck(_cell_ids(self.grid, self.tile_ids) if ids is None else ids, plane, self.spec)
+
+    def times(self, plane: int) -> np.ndarray:
+        """float32 (Kp, Np): the device time each cell of a plane was last written (a read-only
+        broadcast of the programming time where none was written again)."""
+        shape = (self.grid.k_padded, self.grid.n_padded)
+        r = self.rewrites[plane]
+        if not len(r):
+            return np.broadcast_to(self.t_prog, shape)
+        t = np.full(shape, self.t_prog, np.float32)
+        t.ravel()[r.idx] = r.t_prog
+        return t
+
+    def write_counts(self, plane: int, idx: np.ndarray | None = None) -> np.ndarray:
+        """int32: the writes over its life of each cell of a plane ((Kp, Np)), or of flat cells `idx`:
+        a rewritten cell's own count, any other its tile's bound from the programming."""
+        r = self.rewrites[plane]
+        tiles = self.tile_writes[plane]
+        if idx is None:
+            w = per_cell(tiles, self.grid)
+            w.ravel()[r.idx] = r.writes
+            return w
+        w = tiles[tile_of(idx, self.grid)]
+        at = np.searchsorted(r.idx, idx)
+        found = at < len(r)
+        found[found] = r.idx[at[found]] == idx[found]
+        w[found] = r.writes[at[found]]
+        return w
+
+    g_plus = property(lambda self: self.conductances(0))
+    g_minus = property(lambda self: self.conductances(1))
+    nu_plus = property(lambda self: self.exponents(0))
+    nu_minus = property(lambda self: self.exponents(1))
+    stuck_plus = property(lambda self: self.stuck(0))
+    stuck_minus = property(lambda self: self.stuck(1))
+    t_prog_plus = property(lambda self: self.times(0))
+    t_prog_minus = property(lambda self: self.times(1))
+    writes_plus = property(lambda self: self.write_counts(0))
+    writes_minus = property(lambda self: self.write_counts(1))
 
     @functools.cached_property
     def ref_norm(self) -> np.ndarray:
         """float32 (grid_k, grid_n): the reference read of each tile right after programming (of the
         stored, undrifted conductances), which drift compensation compares a later read with."""
-        return np.asarray(_tile_norms(self.g_plus, self.g_minus, self.grid))
+        return np.asarray(_tile_norms(self.conductances(0), self.conductances(1), self.grid))
 
     @property
     def first_tile(self) -> int:
@@ -106,29 +175,16 @@ class ProgrammedWeight:
     @functools.cached_property
     def t_latest(self) -> float:
         """The device time of the most recent write (the youngest cells drift fastest)."""
-        return float(max(_times(self.t_prog_plus).max(), _times(self.t_prog_minus).max()))
+        return float(max([self.t_prog] + [r.t_prog.max() for r in self.rewrites if len(r)]))
 
     @functools.cached_property
     def written_at_once(self) -> bool:
         """Every cell was last written at the same device time (no incremental reprogramming since)."""
-        t = self.t_latest
-        return bool((_times(self.t_prog_plus) == t).all() and (_times(self.t_prog_minus) == t).all())
+        return all(bool((r.t_prog == self.t_prog).all()) for r in self.rewrites)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.grid.k, self.grid.n
-
-
-def _written_now(shape: tuple[int, int], t_now: float) -> np.ndarray:
-    """The programming times of a plane written at once: one time for every cell, as a read-only
-    broadcast view (a later partial write copies it)."""
-    return np.broadcast_to(np.float32(t_now), shape)
-
-
-def _times(t: np.ndarray) -> np.ndarray:
-    """A plane's programming times, once each where the plane holds one time for every cell (a fresh
-    weight's: a read-only broadcast view)."""
-    return t[:1, :1] if not any(t.strides) else t
 
 
 @dataclass(frozen=True)
@@ -324,53 +380,97 @@ def program(
     if target_w is None and host.native_ispp():
         return _program_native(grid, codes, scale, tile_ids, spec, seed=seed, t_now=t_now)
     ids = _cell_ids(grid, tile_ids)
-    g_min = 0.0 if target_w is not None else spec.tile.g_min
-    start = np.full(codes.shape, g_min, np.float32)
-    state = ProgrammedWeight(
-        grid=grid, codes=np.zeros_like(codes), target_w=None if target_w is None else np.zeros_like(target_w), scale=scale,
-        g_plus=start, g_minus=start.copy(),
-        nu_plus=np.zeros(codes.shape, np.float32), nu_minus=np.zeros(codes.shape, np.float32),
-        stuck_plus=_stuck(ids, 0, spec) if target_w is None else np.zeros(codes.shape, np.int8),
-        stuck_minus=_stuck(ids, 1, spec) if target_w is None else np.zeros(codes.shape, np.int8),
-        t_prog_plus=_written_now(codes.shape, t_now), t_prog_minus=_written_now(codes.shape, t_now),
-        writes_plus=np.zeros(codes.shape, np.int32), writes_minus=np.zeros(codes.shape, np.int32),
-        adc_full_scale=np.ones((grid.grid_k, grid.n_padded), np.float32),
-        tile_ids=tile_ids,
-        programming=ProgrammingReport(0, 0, 0, 0, 0),
-    )
-    # Stuck cells sit at their rail from the start.
+    if target_w is not None:
+        codes = np.broadcast_to(np.int8(0), codes.shape)  # float mode holds no codes
+        stuck = (np.zeros(codes.shape, np.int8),) * 2
+    else:
+        stuck = (_stuck(ids, 0, spec), _stuck(ids, 1, spec))
+    # Fresh cells start at G_min; stuck cells sit at their rail from the start.
     t = spec.tile
-    for plane in ("plus", "minus"):
-        s = getattr(state, f"stuck_{plane}")
-        g = getattr(state, f"g_{plane}")
-        g[s < 0] = t.g_min
-        g[s > 0] = t.g_max
-    return _write(state, codes, target_w, spec, seed=seed, t_now=t_now, ids=ids, changed=None)
+    g_min = 0.0 if target_w is not None else t.g_min
+    start = tuple(np.where(s > 0, np.float32(t.g_max), np.float32(g_min)).astype(np.float32) for s in stuck)
+    targets = _pair_targets(codes, target_w, stuck, start, spec)
+
+    def plane(i: int):
+        pulses, g = _write_cells(start[i].ravel(), targets[i].ravel(), stuck[i].ravel(), ids.ravel(), target_w, spec,
+                                 _write_seed(seed, i))
+        return g.reshape(codes.shape), pulses.reshape(codes.shape)
+
+    (gp, wp), (gm, wm) = _PLANES.map(plane, (0, 1))
+    return _programmed(grid, spec, codes, target_w, scale, (gp, gm), stuck, (wp, wm), tile_ids, seed=seed, t_now=t_now)
 
 
 def _program_native(grid: TileGrid, codes: np.ndarray, scale: np.ndarray, tile_ids: tuple[int, ...],
                     spec: ChipSpec, *, seed: int, t_now: float) -> ProgrammedWeight:
     """program()'s write of INT8 codes in one native pass over the cells (vnni.program): the same
-    stuck map, targets, write-verify and drift exponents as its XLA path, to the bit."""
+    stuck map, targets, write-verify and 16-bit levels as its XLA path, to the bit (the drift
+    exponents are drawn again from their stream when read)."""
+    lv = _levels(spec)
+    q, _, _, writes, bits = native_planes(grid, codes, tile_ids, spec, seed=seed, levels=(lv.g_min, lv.step))
+    return _stored(grid, spec, codes, None, scale, tuple(q), tuple(bits), writes, tile_ids, seed=seed, t_now=t_now)
+
+
+def native_planes(grid: TileGrid, codes: np.ndarray, tile_ids, spec: ChipSpec, *, seed: int, drifts: bool = False,
+                  levels=None):
+    """vnni.program's planes of a fresh write of padded INT8 codes: (G+, G-) (float32 siemens, or
+    uint16 levels), (nu+, nu-) (None unless `drifts`), (stuck+, stuck-), (pulses+, pulses-), and
+    the drift bits."""
     t, n = spec.tile, spec.noise
     planes = (0, 1)
-    draws = [ispp.seeds(_write_seed(seed, plane)) for plane in planes]  # as _write and program_cells draw
+    draws = [ispp.seeds(_write_seed(seed, plane)) for plane in planes]  # as _write_cells draws
     seeds = ([_stuck_seed(spec, plane) for plane in planes] + [d[0] for d in draws] + [d[1] for d in draws]
              + [_nu_seed(seed, plane) for plane in planes])
     cells = (n.stuck_off_rate, n.stuck_off_rate + n.stuck_on_rate, (t.g_max - t.g_min) / QMAX, t.g_min, t.g_max,
              n.drift_nu_mean, n.drift_nu_std)
-    (gp, gm), (nu_p, nu_m), (sp, sm), (wp, wm), stats = vnni.program(
-        codes, tile_ids, rows=grid.rows, cols=grid.cols, grid_n=grid.grid_n, seeds=seeds, cells=cells,
-        pulses=ispp.pulse_params(spec), endurance=spec.ispp.endurance, ispp=spec.ispp.enabled, drifts=spec.drifts)
-    most = int(stats[:, :, 2].max(initial=0))
-    written, pulses, worn = (int(stats[:, :, j].sum()) for j in (0, 1, 3))
-    times = _written_now(codes.shape, t_now)
+    return vnni.program(codes, tile_ids, rows=grid.rows, cols=grid.cols, grid_n=grid.grid_n, seeds=seeds, cells=cells,
+                        pulses=ispp.pulse_params(spec), ispp=spec.ispp.enabled, drifts=drifts and spec.drifts,
+                        levels=levels)
+
+
+def _levels(spec: ChipSpec) -> Levels:
+    t = spec.tile
+    return Levels.of(t.g_min, (t.g_max - t.g_min) / QMAX)
+
+
+def _programmed(grid, spec, codes, target_w, scale, g, stuck, writes, tile_ids, *, seed, t_now) -> ProgrammedWeight:
+    """The ProgrammedWeight of a fresh write, as sidra_core.cells holds it, from its full planes:
+    conductances (S), stuck states and pulses per cell."""
+    # a written cell restarts drift with a fresh exponent; a stuck cell does not drift
+    bits = tuple(pack_bits((w > 0) & (s == 0)) for w, s in zip(writes, stuck))
+    held = g if target_w is not None else tuple(_levels(spec).encode(gi) for gi in g)
+    return _stored(grid, spec, codes, target_w, scale, held, bits, writes, tile_ids, seed=seed, t_now=t_now)
+
+
+def _stored(grid, spec, codes, target_w, scale, g, bits, writes, tile_ids, *, seed, t_now) -> ProgrammedWeight:
+    """A fresh write's ProgrammedWeight from its held conductances, drift bits and pulses per cell
+    (kept per tile)."""
+    tile_writes = tuple(tile_max(w, grid).astype(np.int32) for w in writes)
+    reports = [_report(w, t, spec, cells_each=grid.rows * grid.cols) for w, t in zip(writes, tile_writes)]
     return ProgrammedWeight(
-        grid=grid, codes=codes, target_w=None, scale=scale, g_plus=gp, g_minus=gm, nu_plus=nu_p, nu_minus=nu_m,
-        stuck_plus=sp, stuck_minus=sm, t_prog_plus=times, t_prog_minus=times, writes_plus=wp, writes_minus=wm,
-        adc_full_scale=_adc_full_scale(codes, None, grid, spec), tile_ids=tile_ids,
-        programming=ProgrammingReport(written, pulses, most, most, worn),
+        grid=grid, spec=spec, codes=codes, target_w=target_w, scale=scale, g=g, seed=int(seed),
+        t_prog=np.float32(t_now), drifts=bits, tile_writes=tile_writes, rewrites=(Rewrites.none(), Rewrites.none()),
+        adc_full_scale=_adc_full_scale(codes, target_w, grid, spec), tile_ids=tile_ids,
+        programming=reports[0] + reports[1],
     )
+
+
+def _report(pulses: np.ndarray, writes: np.ndarray, spec: ChipSpec, cells_each: int = 1) -> "ProgrammingReport":
+    """One plane's ProgrammingReport: the pulses this write gave, and the writes its cells are
+    tracked at (ProgrammedWeight.write_counts: a tile's bound, a rewritten cell's own count), per
+    cell or per tile (`cells_each`: the cells each value of `writes` stands for)."""
+    return ProgrammingReport(
+        cells_written=int(np.count_nonzero(pulses)), pulses=int(pulses.sum(dtype=np.int64)),
+        max_pulses_cell=int(pulses.max(initial=0)), max_writes_cell=int(writes.max(initial=0)),
+        endurance_exceeded=int((writes > spec.ispp.endurance).sum()) * cells_each)
+
+
+def _write_cells(g0, target, stuck, ids, target_w, spec: ChipSpec, seed: int):
+    """Write-verify cells (flat) from `g0` towards `target`: (pulses, final G). Float (ideal) mode
+    writes the weight exactly, one pulse per changed cell."""
+    if target_w is None:
+        res = ispp.program_cells(g0, target, stuck != 0, ids, spec, seed)
+        return res.pulses, res.g
+    return (g0 != target).astype(np.int32), target
 
 
 def reprogram(
@@ -421,109 +521,70 @@ def reprogram(
             quantised = from_int8(codes_new, scale)
         target_w, codes, scale = None, _pad(quantised.codes, grid), quantised.scale
     state = dataclasses.replace(state, scale=scale)
-    old_p, old_m = _pair_targets(state.codes, state.target_w, state, spec)
-    new_p, new_m = _pair_targets(codes, target_w, state, spec)
-    changed = (old_p != new_p, old_m != new_m)
+    ids = _cell_ids(grid, state.tile_ids)
+    stuck = (state.stuck(0, ids), state.stuck(1, ids))
+    stored = (state.conductances(0), state.conductances(1))
+    old = _pair_targets(state.codes, state.target_w, stuck, stored, spec)
+    new = _pair_targets(codes, target_w, stuck, stored, spec)
     # Changed cells are written from their present (drifted) conductance.
     present = drifted(state, t_now, spec)
-    return _write(state, codes, target_w, spec, seed=seed, t_now=t_now, ids=_cell_ids(grid, state.tile_ids),
-                  changed=changed, start=present)
+
+    def plane(i: int):
+        sel = np.flatnonzero(old[i] != new[i])
+        pulses, g_new = _write_cells(present[i].ravel()[sel], new[i].ravel()[sel], stuck[i].ravel()[sel],
+                                     ids.ravel()[sel], target_w, spec, _write_seed(seed, i))
+        hit = pulses > 0
+        at = sel[hit]
+        # Written cells hold their new G and restart drift with a fresh exponent (a stuck cell does
+        # not drift); the others keep their programmed G, exponent and programming time.
+        g = stored[i].copy()
+        g.ravel()[at] = g_new[hit]
+        nu = _nu(ids.ravel()[at], i, seed, spec) * (stuck[i].ravel()[at] == 0)
+        writes = state.write_counts(i, at) + pulses[hit]
+        rewrites = state.rewrites[i].merged(at, t_now, writes, nu)
+        return g, rewrites, pulses
+
+    (gp, rp, pp), (gm, rm, pm) = _PLANES.map(plane, (0, 1))
+    levels = None if state.target_w is not None else state.levels
+    state = dataclasses.replace(
+        state, codes=codes, target_w=target_w, g=tuple(gi if levels is None else levels.encode(gi) for gi in (gp, gm)),
+        rewrites=(rp, rm), adc_full_scale=_adc_full_scale(codes, target_w, grid, spec))
+    reports = [_report(p, state.write_counts(i), spec) for i, p in enumerate((pp, pm))]
+    return dataclasses.replace(state, programming=reports[0] + reports[1])
 
 
 def grid_shape(state: ProgrammedWeight) -> tuple[int, int]:
     return state.grid.k, state.grid.n
 
 
-def _pair_targets(codes, target_w, state: ProgrammedWeight, spec: ChipSpec):
+def _pair_targets(codes, target_w, stuck, g, spec: ChipSpec):
     """Cell targets with stuck cells worked around by their partner.
 
     Write-verify finds a stuck cell (it never passes verify); the controller
     then writes the partner so the pair still holds the difference G+ - G-
     where that is within the window (a stuck-at-G_max cell is fully
     compensated, a stuck-at-G_min one only when the partner was the active
-    cell).
+    cell). `stuck` and `g`: both planes' stuck states and stored conductances.
     """
     tp, tm = _conductance_pair(codes, target_w, spec)
-    if target_w is not None or not (state.stuck_plus.any() or state.stuck_minus.any()):
+    stuck_p, stuck_m = stuck
+    if target_w is not None or not (stuck_p.any() or stuck_m.any()):
         return tp, tm
     # Stuck cells are few: the partners' targets are changed at their indices only.
     t = spec.tile
-    at = np.flatnonzero(state.stuck_plus.ravel() | state.stuck_minus.ravel())
-    sp, sm = state.stuck_plus.ravel()[at] != 0, state.stuck_minus.ravel()[at] != 0
+    at = np.flatnonzero(stuck_p.ravel() | stuck_m.ravel())
+    sp, sm = stuck_p.ravel()[at] != 0, stuck_m.ravel()[at] != 0
     p, m = tp.ravel(), tm.ravel()  # views: written in place
     diff = p[at] - m[at]
     plus_only, minus_only = sp & ~sm, sm & ~sp
-    m[at[plus_only]] = np.clip(state.g_plus.ravel()[at[plus_only]] - diff[plus_only], t.g_min, t.g_max)
-    p[at[minus_only]] = np.clip(state.g_minus.ravel()[at[minus_only]] + diff[minus_only], t.g_min, t.g_max)
+    m[at[plus_only]] = np.clip(g[0].ravel()[at[plus_only]] - diff[plus_only], t.g_min, t.g_max)
+    p[at[minus_only]] = np.clip(g[1].ravel()[at[minus_only]] + diff[minus_only], t.g_min, t.g_max)
     return tp, tm
-
-
-def _merge(old: np.ndarray, new, hit: np.ndarray, sel: np.ndarray) -> np.ndarray:
-    """`old` with the written cells replaced by `new` (a value per cell of the selection, or a
-    scalar); `hit` marks the written cells among the selection `sel` (flat indices)."""
-    out = old.copy()
-    out.ravel()[sel[hit]] = new[hit] if np.ndim(new) else new
-    return out
 
 
 # The two planes of a weight are written at once: most of a plane's host work (NumPy compaction
 # and scatter) releases the GIL, so the planes overlap on two cores.
 _PLANES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sidra-plane")
-
-
-def _write(state, codes, target_w, spec, *, seed, t_now, ids, changed, start=None) -> ProgrammedWeight:
-    """Write-verify the cells selected by `changed` (all cells when None) of both planes,
-    starting from `start` (the present conductances; default the stored ones)."""
-    targets = _pair_targets(codes, target_w, state, spec)
-
-    def plane(i: int):
-        name = ("plus", "minus")[i]
-        sel = None if changed is None else np.flatnonzero(changed[i])
-        # All cells (fresh programming) are taken as flat views; a selection by fancy indexing.
-        pick = (lambda a: a.ravel()) if sel is None else (lambda a: a.ravel()[sel])
-        g_old = getattr(state, f"g_{name}")
-        stuck = getattr(state, f"stuck_{name}")
-        g0 = pick(g_old if start is None else start[i])
-        if target_w is None:
-            res = ispp.program_cells(g0, pick(targets[i]), pick(stuck) != 0, pick(ids), spec, _write_seed(seed, i))
-            pulses, g_new = res.pulses, res.g
-        else:  # float (ideal) mode: the weight is written exactly, one pulse per changed cell
-            pulses = (g0 != pick(targets[i])).astype(np.int32)
-            g_new = pick(targets[i])
-        hit = pulses > 0
-        # Written cells hold their new G and restart drift with a fresh exponent (a stuck cell
-        # does not drift); the others keep their programmed G, exponent and programming time.
-        nu_new = _nu(pick(ids), i, seed, spec)
-        t_prog = getattr(state, f"t_prog_{name}")
-        if sel is None:  # fresh programming (program()): every cell, none written before, all at t_now
-            shape = g_old.shape
-            writes, g = pulses.reshape(shape), g_new.reshape(shape)
-            nu = nu_new.reshape(shape) if nu_new.flags.writeable else nu_new.reshape(shape).copy()
-            np.multiply(nu, hit.reshape(shape) & (stuck == 0), out=nu)
-        else:
-            writes = getattr(state, f"writes_{name}")
-            writes = _merge(writes, writes.ravel()[sel] + pulses, hit, sel)
-            nu = _merge(getattr(state, f"nu_{name}"), nu_new, hit, sel)
-            nu[stuck != 0] = 0.0
-            g = _merge(g_old, g_new, hit, sel)
-            t_prog = _merge(t_prog, np.float32(t_now), hit, sel)
-        # the cells a snapshot reads, where XLA shares them rather than copying them on every read
-        g, nu = dlpack.aligned(g), dlpack.aligned(nu)
-        fields = {f"g_{name}": g, f"nu_{name}": nu, f"writes_{name}": writes, f"t_prog_{name}": t_prog}
-        return fields, ProgrammingReport(
-            cells_written=int(np.count_nonzero(hit)), pulses=int(pulses.sum(dtype=np.int64)),
-            max_pulses_cell=int(pulses.max(initial=0)), max_writes_cell=int(writes.max(initial=0)),
-            endurance_exceeded=int((writes > spec.ispp.endurance).sum()),
-        )
-
-    (new_p, rep_p), (new_m, rep_m) = _PLANES.map(plane, (0, 1))
-    new, report = {**new_p, **new_m}, rep_p + rep_m
-    grid = state.grid
-    return dataclasses.replace(
-        state, codes=codes, target_w=target_w, **new,
-        adc_full_scale=_adc_full_scale(codes, target_w, grid, spec),
-        programming=report,
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -626,14 +687,15 @@ def drifted(state: ProgrammedWeight, t_now: float, spec: ChipSpec):
         (G+, G-): the two planes' conductances (S), (Kp, Np) each; the stored ones without drift.
     """
     if not spec.drifts:
-        return state.g_plus, state.g_minus
+        return state.conductances(0), state.conductances(1)
     return _drift(state, _log_ages(state, t_now, spec))
 
 
 def _drift(state: ProgrammedWeight, ages):
     """Each plane's cells drifted by their log ages (_log_ages), block by block."""
     age_p, age_m = ages
-    arrays = [state.g_plus, state.g_minus, state.nu_plus, state.nu_minus]
+    ids = _cell_ids(state.grid, state.tile_ids)
+    arrays = [state.conductances(0), state.conductances(1), state.exponents(0, ids), state.exponents(1, ids)]
     if np.ndim(age_p) == 0:  # written at once: one age
         return tuple(map_blocks(lambda *a: _drift_kernel(*a, age_p, age_m), arrays, [0] * 4))
     return tuple(map_blocks(_drift_kernel, [*arrays, age_p, age_m], [0] * 6))
@@ -721,7 +783,7 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
             and host.native_snapshot()):
         w, corr, var, var_scale, gain, terms = _read_native(state, ages, read)
     else:  # the drifted cells first, in a program of their own (as drifted() gives them), then the read
-        cells = (state.g_plus, state.g_minus) if ages is None else _drift(state, ages)
+        cells = (state.conductances(0), state.conductances(1)) if ages is None else _drift(state, ages)
         args = (*(buckets.put(g) for g in cells), state.ref_norm if read.compensate else None)
         w, corr, var, var_scale, gain, has_fraction = _read_array(*args, read)
         terms = 0 if not codes else 2 if bool(has_fraction) else 1
@@ -744,13 +806,22 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
 
 def _read_native(state: ProgrammedWeight, ages, read: "_Read"):
     """_read_array's packed read in the native library (vnni.snapshot), drifted by the log ages
-    (None: no drift): the same codes, levels and steps, no program per weight shape."""
-    grid = read.grid
-    nu = (state.nu_plus, state.nu_minus) if ages is not None else (None, None)
+    (None: no drift): the same codes, levels and steps, no program per weight shape. It reads the
+    16-bit conductances as stored and draws the drift exponents itself, unless cells were rewritten
+    (then they are passed in, each rewritten cell's own)."""
+    grid, spec = read.grid, state.spec
+    nu, drawn = (None, None), {}
+    if ages is not None and any(len(r) for r in state.rewrites):
+        ids = _cell_ids(grid, state.tile_ids)
+        nu = (state.exponents(0, ids), state.exponents(1, ids))
+    elif ages is not None:
+        drawn = dict(bits=state.drifts, tile_ids=state.tile_ids, nu_seeds=[_nu_seed(state.seed, p) for p in (0, 1)],
+                     nu_draw=(spec.noise.drift_nu_mean, spec.noise.drift_nu_std))
     var_c = float(np.float32((read.read_sigma / read.dg) ** 2)) if read.read_sigma > 0 else None
+    lv = state.levels
     wp, corr, sp, step, terms = vnni.snapshot(
-        state.g_plus, state.g_minus, *nu, *(ages or (0.0, 0.0)), grid_k=grid.grid_k, grid_n=grid.grid_n,
-        cols=grid.cols, k=grid.k, n=grid.n, dg=read.dg, var_c=var_c)
+        *state.g, *nu, *(ages or (0.0, 0.0)), grid_k=grid.grid_k, grid_n=grid.grid_n, cols=grid.cols, k=grid.k,
+        n=grid.n, dg=read.dg, var_c=var_c, levels=(lv.g_min, lv.step), **drawn)
     return ((buckets.put(wp),), buckets.put(corr), None if sp is None else (buckets.put(sp),),
             None if step is None else buckets.put(step), None, terms)
 

@@ -38,6 +38,15 @@ class EnduranceWarning(UserWarning):
     """
 
 
+def _binary(nbytes: float) -> str:
+    """A byte count in KiB, MiB, GiB or TiB, one decimal."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
 class HostMemoryError(MemoryError):
     """A model's programmed state needs more host memory than is available (Chip.check_fits)."""
 
@@ -145,14 +154,13 @@ class Chip:
         if need > self.tiles_total - self.tiles_in_use:
             raise capacity_error(name, need, self.tiles_in_use, self.spec)
         per_cell = crossbar.state_bytes_per_cell(self.spec)
-        need_bytes = per_cell * sum(g.k_padded * g.n_padded for g in grids)
+        need_bytes = int(per_cell * sum(g.k_padded * g.n_padded for g in grids))
         free = host.available_memory()
         if free is not None and need_bytes > free:
-            gib = 2 ** 30
             raise HostMemoryError(
-                f"{name} needs {need_bytes / gib:.2f} GiB of host memory for its programmed state "
+                f"{name} needs {need_bytes:,} bytes ({_binary(need_bytes)}) of host memory for its programmed state "
                 f"({sum(g.k * g.n for g in grids):,} weights on {need} tiles, {per_cell} bytes per cell pair), but "
-                f"{free / gib:.2f} GiB is available: free memory, program fewer or smaller weights, or run on a "
+                f"{_binary(free)} is available: free memory, program fewer or smaller weights, or run on a "
                 f"host with more memory")
 
     def host_memory(self) -> dict[str, int]:
@@ -190,7 +198,8 @@ class Chip:
             res = Resident(name=name, state=state, version=version)
             self._residents.append(res)
             self._charge_programming(state)
-            return res
+        host.release_freed_memory()
+        return res
 
     def reprogram(self, res: Resident, w=None, *, quantised: QuantisedWeight | None = None,
                   version: object = None) -> crossbar.ProgrammingReport:

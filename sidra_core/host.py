@@ -211,6 +211,28 @@ def available_memory() -> int | None:
     return None
 
 
+@functools.cache
+def _glibc():
+    """glibc, or None under another C library (or another OS)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # glibc only: other C libraries read malloc's parameters differently
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def release_freed_memory() -> None:
+    """Hand the free pages of malloc's heap back to the OS (glibc's malloc_trim): a weight's
+    programming frees temporaries several times its programmed state, which malloc would
+    otherwise keep (tune() keeps freed memory for the reads' temporaries, reused run after run)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def tune() -> dict[str, bool]:
     """Set this process up for the simulator: compiled kernels persist across processes
     (use_compilation_cache), glibc's malloc keeps freed memory (keep_freed_memory), XLA programs run
@@ -276,12 +298,8 @@ def keep_freed_memory() -> bool:
     thresholds, so a large temporary is faulted in again on every run.
     Returns whether the setting took; SIDRA_MALLOC_TUNING=0 leaves malloc alone.
     """
-    if os.environ.get("SIDRA_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: other C libraries read these parameters differently
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if os.environ.get("SIDRA_MALLOC_TUNING", "1") == "0" or libc is None:
         return False
     _MALLOC["kept"] = all(libc.mallopt(param, value) for param, value in (
         (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, MALLOC_KEEP_BYTES), (_M_TRIM_THRESHOLD, MALLOC_KEEP_BYTES)))

@@ -1534,21 +1534,23 @@ extern "C" void sidra_ispp_write(const float* g0, const float* g1, const uint8_t
 // g_min + max(+-code, 0) dG with a stuck cell's partner set to keep the pair's difference
 // (crossbar._pair_targets), write-verify from G_min (a stuck cell from its rail; ISPP off: the
 // target written at once, one pulse where it differs), and the drift exponents of the cells written
-// and not stuck (crossbar._nu). seeds: stuck, ISPP and relaxation, drift, each for (plus, minus).
-// params: stuck off, off + on rate, dG, g_min, g_max, nu mean, nu std, then sidra_ispp_write's.
-// stats per work item and plane: cells written, pulses, the most pulses of a cell, cells past the
-// endurance limit.
+// and not stuck (crossbar._nu; nu null: not drawn). seeds: stuck, ISPP and relaxation, drift, each
+// for (plus, minus). params: stuck off, off + on rate, dG, g_min, g_max, nu mean, nu std, then
+// sidra_ispp_write's. With g_levels ({g_min, step}) the conductances are written as uint16 levels
+// (cells.Levels.encode: rint((G - g_min) / step) within [0, 127 x 512]), else as float32 siemens;
+// bits (nullable): per plane a bit per cell written and not stuck (cells.pack_bits' order).
 extern "C" void sidra_program(const int8_t* codes, int64_t kp, int64_t np_, int64_t rows, int64_t cols,
                               const uint32_t* tile_ids, int64_t grid_n, const uint32_t* seeds, const float* params,
-                              int32_t max_pulses, float endurance, int32_t ispp, int32_t drifts, float* g_plus,
-                              float* g_minus, float* nu_plus, float* nu_minus, int8_t* stuck_plus,
-                              int8_t* stuck_minus, int32_t* writes_plus, int32_t* writes_minus, int64_t* stats) {
+                              int32_t max_pulses, int32_t ispp, const float* g_levels, void* g_plus, void* g_minus,
+                              float* nu_plus, float* nu_minus, int8_t* stuck_plus, int8_t* stuck_minus,
+                              int32_t* writes_plus, int32_t* writes_minus, uint8_t* bits_plus, uint8_t* bits_minus) {
   const float off = params[0], off_on = params[1], dg = params[2], g_min = params[3], g_max = params[4];
   const float nu_mean = params[5], nu_k = params[6] * kRoot2;
   const IsppParams a{params[7], params[8], params[9], params[10], params[11], max_pulses,
                      params[12], params[13], params[14], params[15]};
-  float* const g_out[2] = {g_plus, g_minus};
+  void* const g_out[2] = {g_plus, g_minus};
   float* const nu_out[2] = {nu_plus, nu_minus};
+  uint8_t* const bits_out[2] = {bits_plus, bits_minus};
   int8_t* const stuck_out[2] = {stuck_plus, stuck_minus};
   int32_t* const writes_out[2] = {writes_plus, writes_minus};
   const uint32_t tile_cells = static_cast<uint32_t>(rows * cols);
@@ -1599,9 +1601,9 @@ extern "C" void sidra_program(const int8_t* codes, int64_t kp, int64_t np_, int6
         tm[i] = sp > sm ? held_m : m;
       }
     }
-    int64_t* item_stats = stats + (lo / kIsppCells) * 8;
     for (int p = 0; p < 2; ++p) {
-      float* __restrict g = g_out[p] + lo;
+      alignas(64) float g_cells[kIsppCells];
+      float* __restrict g = g_levels != nullptr ? g_cells : static_cast<float*>(g_out[p]) + lo;
       int32_t* __restrict writes = writes_out[p] + lo;
       if (ispp) {
         ispp_cells(start[p], target[p], stuck[p], id, n, seeds[2 + p], seeds[4 + p], a, g, writes);
@@ -1611,28 +1613,29 @@ extern "C" void sidra_program(const int8_t* codes, int64_t kp, int64_t np_, int6
           writes[i] = start[p][i] != target[p][i];
         }
       }
-      float* __restrict nu = nu_out[p] + lo;
-      if (drifts) {  // a fresh exponent for each cell written and not stuck
+      if (g_levels != nullptr) {
+        uint16_t* __restrict q = static_cast<uint16_t*>(g_out[p]) + lo;
+        const float lv_min = g_levels[0], lv_step = g_levels[1], top = 127.0f * 512.0f;
+        for (int64_t i = 0; i < n; ++i)
+          q[i] = static_cast<uint16_t>(std::min(std::max(std::rint((g[i] - lv_min) / lv_step), 0.0f), top));
+      }
+      if (bits_out[p] != nullptr) {  // lo is a multiple of 8: whole bytes, the first bit the highest
+        uint8_t* __restrict out = bits_out[p] + lo / 8;
+        for (int64_t i = 0; i < n; i += 8) {
+          uint8_t byte = 0;
+          for (int64_t j = 0; j < 8; ++j)
+            byte |= static_cast<uint8_t>(i + j < n && writes[i + j] > 0 && !stuck[p][i + j]) << (7 - j);
+          out[i / 8] = byte;
+        }
+      }
+      if (nu_out[p] != nullptr) {  // a fresh exponent for each cell written and not stuck
+        float* __restrict nu = nu_out[p] + lo;
         const uint32_t seed = seeds[6 + p];
         for (int64_t i = 0; i < n; ++i) {
           const float z = drift_exponent(seed, id[i], nu_k, nu_mean);
           nu[i] = writes[i] > 0 && !stuck[p][i] ? z : 0.0f;
         }
-      } else {
-        std::memset(nu, 0, n * sizeof(float));
       }
-      int64_t written = 0, pulses = 0, worn = 0;
-      int32_t most = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        written += writes[i] > 0;
-        pulses += writes[i];
-        most = std::max(most, writes[i]);
-        worn += writes[i] > endurance;
-      }
-      item_stats[p * 4 + 0] = written;
-      item_stats[p * 4 + 1] = pulses;
-      item_stats[p * 4 + 2] = most;
-      item_stats[p * 4 + 3] = worn;
     }
   });
 }
@@ -1674,9 +1677,15 @@ constexpr uint32_t kDitherSeed = 0x5EED;  // crossbar._DITHER_SEED
 // (a division as a product with the divisor's inverse, contracted into a following sum), so both give the same
 // bits. gp, gm, nu: (gk 256, gn cols) float32; wp, corr sized for two terms; sp, step null
 // without read noise. Returns the terms packed.
-extern "C" int sidra_snapshot(const float* gp, const float* gm, const float* nu_p, const float* nu_m, float age_p,
+// Cells as sidra_core.cells holds them: with `g_levels` ({g_min, step}) gp, gm are uint16 levels, G =
+// level x step + g_min (Levels.decode); with `bits` (per plane, cells.pack_bits) nu is drawn for
+// each cell whose bit is set (drift_exponent of its id, ProgrammedWeight.exponents: tile_ids, the
+// planes' nu_seeds and nu_params {std, mean}), 0 for the others, instead of read from nu_p, nu_m.
+extern "C" int sidra_snapshot(const void* gp, const void* gm, const float* nu_p, const float* nu_m, float age_p,
                               float age_m, int64_t gk, int64_t gn, int64_t cols, int64_t k, int64_t n, float dg,
-                              float var_c, int8_t* wp, int32_t* corr, uint8_t* sp, float* step) {
+                              float var_c, const float* g_levels, const uint8_t* bits_p, const uint8_t* bits_m,
+                              const uint32_t* tile_ids, const uint32_t* nu_seeds, const float* nu_params, int8_t* wp,
+                              int32_t* corr, uint8_t* sp, float* step) {
   const int64_t ld = gn * cols, nv = (n + kLanes - 1) / kLanes;
   const float inv_dg = 1.0f / dg;
   std::vector<int8_t> pair(gk * kTileRows * 2 * n);
@@ -1694,20 +1703,43 @@ extern "C" int sidra_snapshot(const float* gp, const float* gm, const float* nu_
     bool has_fraction = false;
     for (int64_t r = 0; r < kTileRows; ++r) {
       const int64_t row = tk * kTileRows + r;
-      const float* __restrict a = gp + row * ld + c0;
-      const float* __restrict b = gm + row * ld + c0;
       float* __restrict xp = x;
       float* __restrict yp = y;
       float* __restrict dp = d;
-      if (nu_p != nullptr) {
-        const float* __restrict np_ = nu_p + row * ld + c0;
-        const float* __restrict nm = nu_m + row * ld + c0;
-        for (int64_t c = 0; c < m; ++c) {
-          xp[c] = a[c] * exp_poly(-np_[c] * age_p);
-          yp[c] = b[c] * exp_poly(-nm[c] * age_m);
+      for (int p = 0; p < 2; ++p) {  // the row's cells of each plane, drifted
+        float* __restrict out = p == 0 ? xp : yp;
+        if (g_levels != nullptr) {
+          const uint16_t* __restrict q = static_cast<const uint16_t*>(p == 0 ? gp : gm) + row * ld + c0;
+          for (int64_t c = 0; c < m; ++c) out[c] = static_cast<float>(q[c]) * g_levels[1] + g_levels[0];
+        } else {
+          const float* __restrict a = static_cast<const float*>(p == 0 ? gp : gm) + row * ld + c0;
+          for (int64_t c = 0; c < m; ++c) out[c] = a[c];
         }
-      } else {
-        for (int64_t c = 0; c < m; ++c) xp[c] = a[c], yp[c] = b[c];
+        const float age = p == 0 ? age_p : age_m;
+        if (bits_p != nullptr) {
+          const uint8_t* __restrict bits = p == 0 ? bits_p : bits_m;
+          const uint32_t seed = nu_seeds[p];
+          const float nu_k = nu_params[0] * kRoot2;  // as sidra_drift_exponents
+          const uint32_t id0 = tile_ids[item] * static_cast<uint32_t>(kTileRows * cols) + static_cast<uint32_t>(r * cols);
+          const int64_t i0 = row * ld + c0;
+          // the drifting cells (bit set) gathered, their exponents drawn in a loop without branches
+          // (vectorised); the others keep G (a factor of exp(-0 age) = 1 exactly)
+          alignas(64) int32_t at[kTileRows];
+          alignas(64) float z[kTileRows], f[kTileRows];
+          int64_t drifting = 0;
+          for (int64_t c = 0; c < m; ++c) {
+            const int64_t i = i0 + c;
+            at[drifting] = static_cast<int32_t>(c);
+            drifting += (bits[i >> 3] >> (7 - (i & 7))) & 1;
+          }
+          for (int64_t j = 0; j < drifting; ++j)
+            z[j] = drift_exponent(seed, id0 + static_cast<uint32_t>(at[j]), nu_k, nu_params[1]);
+          for (int64_t j = 0; j < drifting; ++j) f[j] = exp_poly(-z[j] * age);
+          for (int64_t j = 0; j < drifting; ++j) out[at[j]] = out[at[j]] * f[j];
+        } else if (nu_p != nullptr) {
+          const float* __restrict nu = (p == 0 ? nu_p : nu_m) + row * ld + c0;
+          for (int64_t c = 0; c < m; ++c) out[c] = out[c] * exp_poly(-nu[c] * age);
+        }
       }
       for (int64_t c = 0; c < m; ++c) dp[c] = xp[c] - yp[c];
       alignas(64) float q[kTileRows], f[kTileRows];

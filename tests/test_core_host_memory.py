@@ -17,9 +17,11 @@ def test_the_per_cell_figure_is_what_a_programmed_weight_holds(preset):
     st = sc.program(w, spec, seed=1)
     cells = st.grid.k_padded * st.grid.n_padded
     expect = crossbar.state_bytes_per_cell(spec) * cells
-    # beyond the per-cell arrays only per-column ones (scale, ADC ranges) and the broadcast times
+    # beyond the per-cell arrays only per-column ones (scale, ADC ranges) and per-tile write counts
     assert expect <= st.host_bytes <= expect + 16 * st.grid.n_padded * st.grid.grid_k
-    assert crossbar.state_bytes_per_cell(spec) == (31 if preset == "ideal" else 27)
+    # the code, two 16-bit conductances and two drift bits; float mode: the float weight, two
+    # float32 conductances and the bits (sidra_core.cells)
+    assert crossbar.state_bytes_per_cell(spec) == (12.25 if preset == "ideal" else 5.25)
 
 
 def test_a_broadcast_array_holds_only_what_it_stores():
@@ -45,10 +47,11 @@ def test_the_chip_reports_its_programmed_weights_host_memory():
 def test_a_model_too_large_for_the_host_is_refused_up_front(monkeypatch):
     chip = sc.Chip.create("y1", seed=0)
     shapes = [(768, 3072), (3072, 768)]
-    need = crossbar.state_bytes_per_cell(chip.spec) * 2 * 768 * 3072
+    need = int(crossbar.state_bytes_per_cell(chip.spec) * 2 * 768 * 3072)
     monkeypatch.setattr(host, "available_memory", lambda: need - 1)
-    with pytest.raises(sc.HostMemoryError, match=r"model needs 0\.12 GiB of host memory .*4,718,592 weights on 72 "
-                                                  r"tiles, 27 bytes per cell pair.*0\.12 GiB is available"):
+    with pytest.raises(sc.HostMemoryError, match=rf"model needs {need:,} bytes \(23\.6 MiB\) of host memory .*"
+                                                  r"4,718,592 weights on 72 tiles, 5\.25 bytes per cell pair.*"
+                                                  r"23\.6 MiB is available"):
         chip.check_fits(shapes)
     assert chip.tiles_in_use == 0 and chip.residents == []
     monkeypatch.setattr(host, "available_memory", lambda: need)
