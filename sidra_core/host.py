@@ -74,7 +74,7 @@ BACKENDS = ("native", "xla")
 def backend() -> str:
     """The backend that runs the kernels with a native implementation (crossbar reads, the engine's
     non-linearities, norms and attention, programming, snapshots): "native" (sidra_core.vnni's
-    library, on Linux hosts with AVX-512 VNNI and BF16) or "xla" (XLA on JAX's platform, any host).
+    library, on Linux hosts with AVX-512 VNNI) or "xla" (XLA on JAX's platform, any host).
     Native where its library runs; SIDRA_BACKEND=native|xla chooses. Every backend gives a chip and
     seed the same DAC and ADC codes and programmed conductances (test_core_vnni checks each kernel)."""
     from . import vnni
@@ -86,7 +86,7 @@ def backend() -> str:
     if forced == "xla" or not vnni.available():
         if forced == "native":
             raise RuntimeError("SIDRA_BACKEND=native, but sidra_core.vnni's library does not run on this host (it "
-                               "needs Linux, AVX-512 VNNI and BF16, and a C++ compiler): unset SIDRA_BACKEND or "
+                               "needs Linux, AVX-512 VNNI and a C++ compiler): unset SIDRA_BACKEND or "
                                "set it to xla")
         return "xla"
     return "native"

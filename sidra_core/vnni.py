@@ -11,7 +11,7 @@ count), `ispp_write` is ISPP write-verify cell by cell (the same bits as sidra_c
 chunks), `program` a fresh weight's whole write (sidra_core.crossbar.program's bits), and
 `snapshot` reads a programmed weight into the packed tiles (the same bits as sidra_core.crossbar's
 XLA read). It is compiled once per source and jaxlib version into the user's
-cache (a C++ compiler is needed; without one, or on a CPU without AVX-512 VNNI and BF16,
+cache (a C++ compiler is needed; without one, or on a CPU without AVX-512 VNNI,
 `available()` is false and XLA's dots and ISPP are used).
 """
 
@@ -46,9 +46,9 @@ MAX_ENGINE_K = 65536  # the engine matmul sums a row in one int32
 PACK_TARGET = "sidra_pack_tiles"
 _SOURCE = Path(__file__).with_name("vnni_dots.cc")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
-          "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma", "-ffp-contract=off", "-fno-math-errno",
+          "-mavx512vl", "-mavx512vnni", "-mfma", "-ffp-contract=off", "-fno-math-errno",
           "-fno-trapping-math")
-_CPU_FEATURES = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
+_CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 TILE_ROWS = 256
 LANES = 16
@@ -127,7 +127,7 @@ def _entry_points(lib) -> None:
 
 
 def host_supports() -> bool:
-    """Whether this host has what the kernel needs: Linux and a CPU with AVX-512 VNNI and BF16."""
+    """Whether this host has what the kernel needs: Linux and a CPU with AVX-512 VNNI (F, BW and VL with it)."""
     from sidra_core import host
 
     return sys.platform.startswith("linux") and all(f in host.cpu_flags() for f in _CPU_FEATURES)
@@ -152,7 +152,7 @@ def _call(target, shapes):
     """jax.ffi.ffi_call of one of the kernels, which must run here (available(): built and registered)."""
     if not available():
         raise RuntimeError(f"the VNNI kernel {target} does not run on this host (sidra_core.vnni.available() "
-                           "is False): it needs Linux, AVX-512 VNNI and BF16, and a C++ compiler")
+                           "is False): it needs Linux, AVX-512 VNNI and a C++ compiler")
     return jax.ffi.ffi_call(target, shapes)
 
 
@@ -233,7 +233,7 @@ def _direct(name: str):
     """The library's C entry point `name` (_entry_points), which must run here."""
     if not available():
         raise RuntimeError(f"the VNNI kernel's {name} does not run on this host (sidra_core.vnni.available() is "
-                           "False): it needs Linux, AVX-512 VNNI and BF16, and a C++ compiler")
+                           "False): it needs Linux, AVX-512 VNNI and a C++ compiler")
     return _LIB[name]
 
 
