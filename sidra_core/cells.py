@@ -1,11 +1,13 @@
 """How a programmed weight's cells are held on the host: what the physics needs, and no more.
 
-Per cell pair a programmed weight stores its target code, both conductances in 16 bits and one bit
-per cell saying whether it drifts; everything else is per tile or derived:
-- conductances (INT8 codes) as uint16 levels of dG / 512 above G_min: a written G lies in
-  [G_min, G_max] (127 codes x 512 = 65,024 levels), every code's target is a level exactly, and a
-  programmed G is held to 1/1024 of a code, finer than a read snapshot's 1/254; float weights (the
-  ideal chip) stay float32, exact;
+Per cell pair a programmed weight stores its target code, one byte per cell for its conductance and
+one bit per cell saying whether it drifts; everything else is sparse, per tile or derived:
+- conductances (INT8 codes) on a grid of levels of dG / 512 above G_min (every code's target a
+  level), each held as an int8 offset from its code's target in steps of 2^shift levels
+  (`Residuals`), a step of at most 1/32 of the write-verify window (1/32 code on y1, against a
+  programming error of about a code), so the programmed weight error keeps its statistics; the few
+  cells an offset cannot hold (stuck at a rail, a stuck cell's partner, a cell that failed verify)
+  keep their exact 16-bit level; float weights (the ideal chip) stay float32, exact;
 - drift exponents are drawn again from the programming's counter-based stream (crossbar._nu) for
   the cells whose bit is set (written by the programming and not stuck); stuck maps from the
   chip's stream (crossbar._stuck), when a write or a caller needs them;
@@ -17,6 +19,7 @@ per cell saying whether it drifts; everything else is per tile or derived:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,23 +28,54 @@ from . import dlpack
 from .mapping import TileGrid
 
 LEVELS_PER_CODE = 512  # conductance levels per INT8 code step dG
+STEPS_PER_WINDOW = 32  # a residual's step is at most this fraction of the verify window
+EXCEPTION = -128  # the residual of a cell whose level is held exactly (Residuals.idx)
+MAX_SHIFT = 9  # a residual step of at most one code
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """One plane's conductances as int8 offsets from its codes' target levels, and the cells an
+    offset cannot hold at their exact levels.
+
+    Attributes:
+        r: int8 (Kp, Np): round((level - target level) / 2^shift), EXCEPTION where `idx` holds the cell.
+        idx: Flat indices of the exceptions into the padded plane, sorted (int64).
+        level: Their 16-bit levels (uint16).
+    """
+
+    r: np.ndarray
+    idx: np.ndarray
+    level: np.ndarray
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.r.nbytes + self.idx.nbytes + self.level.nbytes)
 
 
 @dataclass(frozen=True)
 class Levels:
-    """The 16-bit conductance grid of a quantised chip: G = g_min + level x step (float32 siemens).
+    """The conductance grid of a quantised chip: G = g_min + level x step (float32 siemens), a
+    level held as its code's target plus an offset of whole 2^shift levels (`Residuals`).
 
     Attributes:
         g_min: The lowest conductance (S), level 0.
         step: dG / LEVELS_PER_CODE (S), a power of two below dG: a code's target is a level.
+        shift: log2 of a residual's step in levels.
     """
 
     g_min: np.float32
     step: np.float32
+    shift: int = 0
 
     @classmethod
-    def of(cls, g_min: float, dg: float) -> "Levels":
-        return cls(np.float32(g_min), np.float32(np.float32(dg) / np.float32(LEVELS_PER_CODE)))
+    def of(cls, g_min: float, dg: float, window: float = 0.0) -> "Levels":
+        """The grid of codes dG apart from g_min, with residual steps of at most 1/STEPS_PER_WINDOW
+        of a write-verify window of +-`window` siemens (0: steps of one level)."""
+        step = np.float32(np.float32(dg) / np.float32(LEVELS_PER_CODE))
+        per_step = window / float(step) / STEPS_PER_WINDOW
+        shift = min(max(math.floor(math.log2(per_step)), 0), MAX_SHIFT) if per_step >= 1 else 0
+        return cls(np.float32(g_min), step, shift)
 
     @property
     def top(self) -> int:
@@ -63,6 +97,46 @@ class Levels:
         g *= self.step
         g += self.g_min
         return g
+
+    @staticmethod
+    def targets(codes: np.ndarray, plane: int) -> np.ndarray:
+        """uint16 target levels of a plane's cells: max(+-code, 0) x LEVELS_PER_CODE."""
+        t = np.maximum(codes if plane == 0 else np.negative(codes), 0).astype(np.uint16)
+        t *= LEVELS_PER_CODE
+        return t
+
+    def residuals(self, q: np.ndarray, codes: np.ndarray, plane: int) -> np.ndarray:
+        """int8 residuals of uint16 levels against a plane's targets: (q - t) / 2^shift to the nearest
+        integer, halves to even (unbiased), EXCEPTION outside +-127 (as the native programming
+        writes them)."""
+        d = q.astype(np.int32)
+        d -= self.targets(codes, plane)
+        r = d >> self.shift
+        if self.shift:
+            half = 1 << (self.shift - 1)
+            d &= (1 << self.shift) - 1  # the remainder below the step
+            r += (d > half) | ((d == half) & (r & 1 == 1))
+        r[(r < -127) | (r > 127)] = EXCEPTION
+        return r.astype(np.int8)
+
+    def held(self, q: np.ndarray, r: np.ndarray) -> Residuals:
+        """Residuals of a plane from its levels `q` and their int8 residuals `r` (`residuals`)."""
+        idx = np.flatnonzero(r == EXCEPTION)
+        return Residuals(r, idx, q.ravel()[idx])
+
+    def compress(self, q: np.ndarray, codes: np.ndarray, plane: int) -> Residuals:
+        """A plane's uint16 levels as Residuals against its codes' targets."""
+        return self.held(q, self.residuals(q, codes, plane))
+
+    def expand(self, res: Residuals, codes: np.ndarray, plane: int) -> np.ndarray:
+        """The uint16 levels a plane's Residuals hold (an offset's target + r 2^shift stays within
+        [0, top]: both are multiples of the step, within half a step of a level in range)."""
+        q = self.targets(codes, plane)
+        d = res.r.astype(np.int16)
+        d <<= self.shift
+        q += d.view(np.uint16)  # (modulo 2^16: a negative offset subtracts)
+        q.ravel()[res.idx] = res.level
+        return q
 
 
 def pack_bits(mask: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import buckets, dlpack, host, ispp, rng, vnni
 from .blocks import map_blocks
-from .cells import Levels, Rewrites, pack_bits, per_cell, tile_max, tile_of, unpack_bits
+from .cells import Levels, Residuals, Rewrites, pack_bits, per_cell, tile_max, tile_of, unpack_bits
 from .mapping import TileGrid, tile_grid
 from .quant import QMAX, QuantisedWeight, from_int8, quantise_rows, quantise_weight
 from .spec import ChipSpec
@@ -53,12 +53,18 @@ def held_bytes(a) -> int:
     return int(a.nbytes)
 
 
+# Cells a plane's residuals cannot hold, allowed for in the up-front estimate: rails, stuck cells'
+# partners and failed verifies (0.2 % on y1), at 10 bytes each (an index and a level).
+EXCEPTIONS_ALLOWED = 0.01
+
+
 def state_bytes_per_cell(spec: ChipSpec) -> float:
     """Host bytes of a freshly programmed weight per padded cell pair (sidra_core.cells: the target
-    code, both planes' 16-bit conductances and drift bits; in float mode the float target and
-    float32 conductances instead), so a model's need is known before it is programmed."""
+    code, both planes' int8 residuals and drift bits, and an allowance for exceptions; in float mode
+    the float target and float32 conductances instead), so a model's need is known before it is
+    programmed."""
     if spec.quantised:
-        return 1 + 2 * (2 + 1 / 8)
+        return 1 + 2 * (1 + 1 / 8 + 10 * EXCEPTIONS_ALLOWED)
     return 4 + 2 * (4 + 1 / 8)
 
 
@@ -66,8 +72,8 @@ def state_bytes_per_cell(spec: ChipSpec) -> float:
 class ProgrammedWeight:
     """The programmed state of one weight on its tiles (host arrays, padded to the grid).
 
-    Held as sidra_core.cells describes: per cell the target code, the conductances in 16 bits and
-    a drift bit; write counts per tile; drift exponents and stuck maps drawn again from the chip's
+    Held as sidra_core.cells describes: per cell the target code, an int8 residual of the
+    conductance and a drift bit; write counts per tile; drift exponents and stuck maps drawn again from the chip's
     streams; cells rewritten since programming on their own (`rewrites`). The per-cell views
     (`g_plus`, `nu_plus`, `stuck_plus`, `t_prog_plus`, `writes_plus` and their `_minus` twins:
     conductances in siemens, drift exponents, stuck states, last write times and write counts)
@@ -79,7 +85,7 @@ class ProgrammedWeight:
     codes: np.ndarray  # int8 (Kp, Np): target codes (float mode: a broadcast zero)
     target_w: np.ndarray | None  # float32 (Kp, Np) weights in float mode, else None
     scale: np.ndarray  # float32 (N,): float value of one code per output column
-    g: tuple[np.ndarray, np.ndarray]  # per plane (plus, minus): uint16 cells.Levels, float32 siemens in float mode
+    g: tuple  # per plane (plus, minus): cells.Residuals of the codes, float32 siemens in float mode
     seed: int  # the programming's seed, which keys its cells' drift exponents
     t_prog: np.float32  # device time of the programming
     drifts: tuple[np.ndarray, np.ndarray]  # per plane: cells.pack_bits of the cells given a drift exponent
@@ -92,8 +98,10 @@ class ProgrammedWeight:
     @property
     def host_bytes(self) -> int:
         """Host memory its arrays hold (a broadcast array by the values it stores)."""
-        arrays = [self.codes, self.target_w, self.scale, *self.g, *self.drifts, *self.tile_writes, self.adc_full_scale]
-        return sum(held_bytes(a) for a in arrays if a is not None) + sum(r.host_bytes for r in self.rewrites)
+        arrays = [self.codes, self.target_w, self.scale, *self.drifts, *self.tile_writes, self.adc_full_scale]
+        sparse = [*self.rewrites, *(g for g in self.g if isinstance(g, Residuals))]
+        return (sum(held_bytes(a) for a in arrays if a is not None) + sum(r.host_bytes for r in sparse)
+                + sum(held_bytes(g) for g in self.g if not isinstance(g, Residuals)))
 
     @functools.cached_property
     def levels(self) -> Levels:
@@ -102,7 +110,7 @@ class ProgrammedWeight:
     def conductances(self, plane: int) -> np.ndarray:
         """float32 (Kp, Np): a plane's programmed conductances (S), undrifted (read-only in float mode)."""
         g = self.g[plane]
-        return g if g.dtype == np.float32 else self.levels.decode(g)
+        return self.levels.decode(self.levels.expand(g, self.codes, plane)) if isinstance(g, Residuals) else g
 
     def exponents(self, plane: int, ids: np.ndarray | None = None) -> np.ndarray:
         """float32 (Kp, Np): a plane's drift exponents, drawn again from the programming's stream for
@@ -403,18 +411,20 @@ def program(
 def _program_native(grid: TileGrid, codes: np.ndarray, scale: np.ndarray, tile_ids: tuple[int, ...],
                     spec: ChipSpec, *, seed: int, t_now: float) -> ProgrammedWeight:
     """program()'s write of INT8 codes in one native pass over the cells (vnni.program): the same
-    stuck map, targets, write-verify and 16-bit levels as its XLA path, to the bit (the drift
+    stuck map, targets, write-verify and residuals as its XLA path, to the bit (the drift
     exponents are drawn again from their stream when read)."""
     lv = _levels(spec)
-    q, _, _, writes, bits = native_planes(grid, codes, tile_ids, spec, seed=seed, levels=(lv.g_min, lv.step))
-    return _stored(grid, spec, codes, None, scale, tuple(q), tuple(bits), writes, tile_ids, seed=seed, t_now=t_now)
+    q, r, _, _, writes, bits = native_planes(grid, codes, tile_ids, spec, seed=seed, levels=lv)
+    held = tuple(lv.held(qi, ri) for qi, ri in zip(q, r))
+    del q  # (the 16-bit levels: only the exceptions' are kept)
+    return _stored(grid, spec, codes, None, scale, held, tuple(bits), writes, tile_ids, seed=seed, t_now=t_now)
 
 
 def native_planes(grid: TileGrid, codes: np.ndarray, tile_ids, spec: ChipSpec, *, seed: int, drifts: bool = False,
                   levels=None):
     """vnni.program's planes of a fresh write of padded INT8 codes: (G+, G-) (float32 siemens, or
-    uint16 levels), (nu+, nu-) (None unless `drifts`), (stuck+, stuck-), (pulses+, pulses-), and
-    the drift bits."""
+    uint16 levels of `levels`, a cells.Levels), their residuals (None without `levels`), (nu+, nu-)
+    (None unless `drifts`), (stuck+, stuck-), (pulses+, pulses-), and the drift bits."""
     t, n = spec.tile, spec.noise
     planes = (0, 1)
     draws = [ispp.seeds(_write_seed(seed, plane)) for plane in planes]  # as _write_cells draws
@@ -428,8 +438,9 @@ def native_planes(grid: TileGrid, codes: np.ndarray, tile_ids, spec: ChipSpec, *
 
 
 def _levels(spec: ChipSpec) -> Levels:
+    """The chip's conductance levels, residual steps sized to its write-verify window."""
     t = spec.tile
-    return Levels.of(t.g_min, (t.g_max - t.g_min) / QMAX)
+    return Levels.of(t.g_min, (t.g_max - t.g_min) / QMAX, spec.ispp.tolerance * t.g_max if spec.ispp.enabled else 0.0)
 
 
 def _programmed(grid, spec, codes, target_w, scale, g, stuck, writes, tile_ids, *, seed, t_now) -> ProgrammedWeight:
@@ -437,7 +448,8 @@ def _programmed(grid, spec, codes, target_w, scale, g, stuck, writes, tile_ids, 
     conductances (S), stuck states and pulses per cell."""
     # a written cell restarts drift with a fresh exponent; a stuck cell does not drift
     bits = tuple(pack_bits((w > 0) & (s == 0)) for w, s in zip(writes, stuck))
-    held = g if target_w is not None else tuple(_levels(spec).encode(gi) for gi in g)
+    lv = _levels(spec)
+    held = g if target_w is not None else tuple(lv.compress(lv.encode(gi), codes, i) for i, gi in enumerate(g))
     return _stored(grid, spec, codes, target_w, scale, held, bits, writes, tile_ids, seed=seed, t_now=t_now)
 
 
@@ -547,7 +559,8 @@ def reprogram(
     (gp, rp, pp), (gm, rm, pm) = _PLANES.map(plane, (0, 1))
     levels = None if state.target_w is not None else state.levels
     state = dataclasses.replace(
-        state, codes=codes, target_w=target_w, g=tuple(gi if levels is None else levels.encode(gi) for gi in (gp, gm)),
+        state, codes=codes, target_w=target_w,
+        g=tuple(gi if levels is None else levels.compress(levels.encode(gi), codes, i) for i, gi in enumerate((gp, gm))),
         rewrites=(rp, rm), adc_full_scale=_adc_full_scale(codes, target_w, grid, spec))
     reports = [_report(p, state.write_counts(i), spec) for i, p in enumerate((pp, pm))]
     return dataclasses.replace(state, programming=reports[0] + reports[1])
@@ -807,8 +820,8 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
 def _read_native(state: ProgrammedWeight, ages, read: "_Read"):
     """_read_array's packed read in the native library (vnni.snapshot), drifted by the log ages
     (None: no drift): the same codes, levels and steps, no program per weight shape. It reads the
-    16-bit conductances as stored and draws the drift exponents itself, unless cells were rewritten
-    (then they are passed in, each rewritten cell's own)."""
+    conductances as stored (residuals of the codes) and draws the drift exponents itself, unless
+    cells were rewritten (then they are passed in, each rewritten cell's own)."""
     grid, spec = read.grid, state.spec
     nu, drawn = (None, None), {}
     if ages is not None and any(len(r) for r in state.rewrites):
@@ -821,7 +834,7 @@ def _read_native(state: ProgrammedWeight, ages, read: "_Read"):
     lv = state.levels
     wp, corr, sp, step, terms = vnni.snapshot(
         *state.g, *nu, *(ages or (0.0, 0.0)), grid_k=grid.grid_k, grid_n=grid.grid_n, cols=grid.cols, k=grid.k,
-        n=grid.n, dg=read.dg, var_c=var_c, levels=(lv.g_min, lv.step), **drawn)
+        n=grid.n, dg=read.dg, var_c=var_c, levels=lv, codes=state.codes, **drawn)
     return ((buckets.put(wp),), buckets.put(corr), None if sp is None else (buckets.put(sp),),
             None if step is None else buckets.put(step), None, terms)
 

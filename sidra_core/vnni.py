@@ -118,9 +118,10 @@ def _entry_points(lib) -> None:
             ("ispp_write", "sidra_ispp_write", [p, p, p, p, i64, u32, u32, p, ctypes.c_int32, p, p], None),
             ("drift_exponents", "sidra_drift_exponents", [p, i64, u32, f32, f32, p], None),
             ("program", "sidra_program", [p, i64, i64, i64, i64, p, i64, p, p, ctypes.c_int32, ctypes.c_int32,
-                                          p, p, p, p, p, p, p, p, p, p, p], None),
+                                          p, ctypes.c_int32, p, p, p, p, p, p, p, p, p, p, p, p], None),
             ("snapshot", "sidra_snapshot",
-             [p, p, p, p, f32, f32, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, p, p, p, p, p], ctypes.c_int)):
+             [p, p, p, p, f32, f32, i64, i64, i64, i64, i64, f32, f32, p, p, ctypes.c_int32, p, p, i64, p, p, i64,
+              p, p, p, p, p, p, p, p, p], ctypes.c_int)):
         f = getattr(lib, symbol)
         f.argtypes, f.restype = args, result
         _LIB[key] = f
@@ -304,37 +305,41 @@ def program(codes: np.ndarray, tile_ids, *, rows: int, cols: int, grid_n: int, s
             ispp: bool, drifts: bool, levels=None):
     """`crossbar.program`'s fresh write of INT8 codes (padded to the tile grid) in the kernel's threads
     (the same bits as its XLA path): per plane (plus, minus) the conductances (float32 siemens, or
-    with `levels` (g_min, step) uint16 levels as sidra_core.cells holds them), drift exponents
-    (None unless `drifts`), stuck map, pulses given, and the bits of the cells written and not stuck
-    (cells.pack_bits). `seeds` (8) as sidra_program's; `cells`: stuck off rate, off + on rate, dG,
-    g_min, g_max, nu mean, nu std; `pulses`: ispp.pulse_params."""
+    with `levels` (a cells.Levels) uint16 levels), their int8 residuals (cells.Levels.residuals;
+    None without `levels`), drift exponents (None unless `drifts`), stuck map, pulses given, and the
+    bits of the cells written and not stuck (cells.pack_bits). `seeds` (8) as sidra_program's;
+    `cells`: stuck off rate, off + on rate, dG, g_min, g_max, nu mean, nu std; `pulses`:
+    ispp.pulse_params."""
     codes = np.ascontiguousarray(codes, np.int8)
     kp, np_ = codes.shape
     tiles = np.ascontiguousarray(tile_ids, np.uint32)
     seeds = np.asarray(seeds, np.uint32)
     floats, max_pulses = _pulse_floats(pulses)
     params = np.concatenate([np.asarray(cells, np.float32), floats])
-    lv = None if levels is None else np.asarray(levels, np.float32)
+    lv = None if levels is None else np.asarray([levels.g_min, levels.step], np.float32)
     g = [dlpack.mapped(codes.shape, np.float32 if lv is None else np.uint16) for _ in range(2)]
+    res = [None if lv is None else np.empty(codes.shape, np.int8) for _ in range(2)]
     nu = [dlpack.mapped(codes.shape, np.float32) for _ in range(2)] if drifts else [None, None]
     stuck = [dlpack.mapped(codes.shape, np.int8) for _ in range(2)]
     writes = [dlpack.mapped(codes.shape, np.int32) for _ in range(2)]
     bits = [np.empty(-(-codes.size // 8), np.uint8) for _ in range(2)]
     _direct("program")(codes.ctypes.data, kp, np_, rows, cols, tiles.ctypes.data, grid_n, seeds.ctypes.data,
                        params.ctypes.data, int(max_pulses), int(ispp), None if lv is None else lv.ctypes.data,
-                       *(None if a is None else a.ctypes.data for a in (*g, *nu, *stuck, *writes, *bits)))
-    return g, nu, stuck, writes, bits
+                       0 if levels is None else levels.shift,
+                       *(None if a is None else a.ctypes.data for a in (*g, *res, *nu, *stuck, *writes, *bits)))
+    return g, res, nu, stuck, writes, bits
 
 
 def snapshot(gp, gm, nu_p, nu_m, age_p: float, age_m: float, *, grid_k: int, grid_n: int, cols: int, k: int,
-             n: int, dg: float, var_c: float | None, levels=None, bits=None, tile_ids=None, nu_seeds=None,
-             nu_draw=None):
+             n: int, dg: float, var_c: float | None, levels=None, codes=None, bits=None, tile_ids=None,
+             nu_seeds=None, nu_draw=None):
     """`crossbar._read_array`'s packed read in the kernel's threads (the same bits), without IR drop or
     drift compensation: the cells drifted by exp(-nu age) (nu None: no drift); packed (whole[,
     fraction]) codes and their column corrections, packed variance levels and their step per tile
     column (None without read noise: var_c None), and the terms packed. Cells as sidra_core.cells
-    holds them: `levels` (g_min, step) with gp, gm uint16 levels; `bits` (the planes' drift bits)
-    with `tile_ids`, `nu_seeds` and `nu_draw` (mean, std): exponents drawn in the kernel."""
+    holds them: `levels` (a cells.Levels) with gp, gm the planes' cells.Residuals of `codes`; else
+    float32 siemens; `bits` (the planes' drift bits) with `tile_ids`, `nu_seeds` and `nu_draw`
+    (mean, std): exponents drawn in the kernel."""
     nv = -(-n // LANES)
     groups = TILE_ROWS // 4
     wp = dlpack.empty((grid_k, nv, 2, groups, LANES, 4), np.int8)
@@ -342,22 +347,32 @@ def snapshot(gp, gm, nu_p, nu_m, age_p: float, age_m: float, *, grid_k: int, gri
     noise = var_c is not None
     sp = dlpack.empty((grid_k, nv, groups, LANES, 4), np.uint8) if noise else None
     step = dlpack.empty((grid_k, n), np.float32) if noise else None
-    dtype = np.float32 if levels is None else np.uint16
-    arrays = [np.ascontiguousarray(gp, dtype), np.ascontiguousarray(gm, dtype),
-              *(None if a is None else np.ascontiguousarray(a, np.float32) for a in (nu_p, nu_m))]
-    extra = [None] * 6
+    planes = [np.ascontiguousarray(g, np.float32) for g in (gp, gm)] if levels is None else \
+        [np.ascontiguousarray(g.r, np.int8) for g in (gp, gm)]
+    arrays = [*planes, *(None if a is None else np.ascontiguousarray(a, np.float32) for a in (nu_p, nu_m))]
+    cells = [None, None]  # the levels' grid and the codes
+    exceptions = [None, None, 0] * 2  # per plane: flat indices, levels, count
     if levels is not None:
-        extra[0] = np.asarray(levels, np.float32)
+        cells = [np.asarray([levels.g_min, levels.step], np.float32), np.ascontiguousarray(codes, np.int8)]
+        exceptions = []
+        for g in (gp, gm):
+            idx, exact = np.ascontiguousarray(g.idx, np.int64), np.ascontiguousarray(g.level, np.uint16)
+            exceptions += [idx, exact, idx.size]
+    drawn = [None] * 5
     if bits is not None:
         mean, std = nu_draw
-        extra[1:] = [np.ascontiguousarray(bits[0], np.uint8), np.ascontiguousarray(bits[1], np.uint8),
-                     np.ascontiguousarray(tile_ids, np.uint32), np.asarray(nu_seeds, np.uint32),
-                     np.asarray([std, mean], np.float32)]
-    arrays += extra
-    ptrs = [None if a is None else a.ctypes.data for a in arrays]
-    terms = _direct("snapshot")(*ptrs[:4], age_p, age_m, grid_k, grid_n, cols, k, n, dg,
-                                0.0 if var_c is None else var_c, *ptrs[4:], wp.ctypes.data, corr.ctypes.data,
-                                None if sp is None else sp.ctypes.data, None if step is None else step.ctypes.data)
+        drawn = [np.ascontiguousarray(bits[0], np.uint8), np.ascontiguousarray(bits[1], np.uint8),
+                 np.ascontiguousarray(tile_ids, np.uint32), np.asarray(nu_seeds, np.uint32),
+                 np.asarray([std, mean], np.float32)]
+
+    def ptr(a):
+        return a if a is None or isinstance(a, int) else a.ctypes.data
+
+    terms = _direct("snapshot")(*map(ptr, arrays), age_p, age_m, grid_k, grid_n, cols, k, n, dg,
+                                0.0 if var_c is None else var_c, *map(ptr, cells),
+                                0 if levels is None else levels.shift, *map(ptr, exceptions), *map(ptr, drawn),
+                                wp.ctypes.data, corr.ctypes.data, None if sp is None else sp.ctypes.data,
+                                None if step is None else step.ctypes.data)
     if terms == 1:  # one term: the layouts' first half
         wp = wp.reshape(-1)[:wp.size // 2].reshape(grid_k, nv, 1, groups, LANES, 4)
         corr = corr.reshape(-1)[:corr.size // 2].reshape(grid_k, nv, 1, LANES)

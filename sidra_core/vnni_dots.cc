@@ -53,6 +53,7 @@ constexpr int kLanes = 16;      // float32 / int32 lanes of a 512-bit vector
 constexpr int kPanel = 4;       // vectors (64 columns) per work item
 constexpr int kMaxRows = 6;     // rows per register block: 6 x 4 accumulators + 4 weights + 1 input
 constexpr int kGroupBytes = 64; // one vector's weights (or variance levels) for 4 word lines
+constexpr int kException = -128;  // cells.EXCEPTION: a residual whose cell keeps its exact level
 
 // The dot instruction as inline assembly: GCC 12 compiles its intrinsic with a register copy
 // and a stack store per instruction (the accumulator is an input of the builtin, not tied to
@@ -1537,18 +1538,22 @@ extern "C" void sidra_ispp_write(const float* g0, const float* g1, const uint8_t
 // and not stuck (crossbar._nu; nu null: not drawn). seeds: stuck, ISPP and relaxation, drift, each
 // for (plus, minus). params: stuck off, off + on rate, dG, g_min, g_max, nu mean, nu std, then
 // sidra_ispp_write's. With g_levels ({g_min, step}) the conductances are written as uint16 levels
-// (cells.Levels.encode: rint((G - g_min) / step) within [0, 127 x 512]), else as float32 siemens;
-// bits (nullable): per plane a bit per cell written and not stuck (cells.pack_bits' order).
+// (cells.Levels.encode: rint((G - g_min) / step) within [0, 127 x 512]) and, with res, their int8
+// residuals against the codes' targets in steps of 2^shift levels (cells.Levels.residuals), else
+// as float32 siemens; bits (nullable): per plane a bit per cell written and not stuck
+// (cells.pack_bits' order).
 extern "C" void sidra_program(const int8_t* codes, int64_t kp, int64_t np_, int64_t rows, int64_t cols,
                               const uint32_t* tile_ids, int64_t grid_n, const uint32_t* seeds, const float* params,
-                              int32_t max_pulses, int32_t ispp, const float* g_levels, void* g_plus, void* g_minus,
-                              float* nu_plus, float* nu_minus, int8_t* stuck_plus, int8_t* stuck_minus,
-                              int32_t* writes_plus, int32_t* writes_minus, uint8_t* bits_plus, uint8_t* bits_minus) {
+                              int32_t max_pulses, int32_t ispp, const float* g_levels, int32_t shift, void* g_plus,
+                              void* g_minus, int8_t* res_plus, int8_t* res_minus, float* nu_plus, float* nu_minus,
+                              int8_t* stuck_plus, int8_t* stuck_minus, int32_t* writes_plus, int32_t* writes_minus,
+                              uint8_t* bits_plus, uint8_t* bits_minus) {
   const float off = params[0], off_on = params[1], dg = params[2], g_min = params[3], g_max = params[4];
   const float nu_mean = params[5], nu_k = params[6] * kRoot2;
   const IsppParams a{params[7], params[8], params[9], params[10], params[11], max_pulses,
                      params[12], params[13], params[14], params[15]};
   void* const g_out[2] = {g_plus, g_minus};
+  int8_t* const res_out[2] = {res_plus, res_minus};
   float* const nu_out[2] = {nu_plus, nu_minus};
   uint8_t* const bits_out[2] = {bits_plus, bits_minus};
   int8_t* const stuck_out[2] = {stuck_plus, stuck_minus};
@@ -1618,6 +1623,16 @@ extern "C" void sidra_program(const int8_t* codes, int64_t kp, int64_t np_, int6
         const float lv_min = g_levels[0], lv_step = g_levels[1], top = 127.0f * 512.0f;
         for (int64_t i = 0; i < n; ++i)
           q[i] = static_cast<uint16_t>(std::min(std::max(std::rint((g[i] - lv_min) / lv_step), 0.0f), top));
+        if (res_out[p] != nullptr) {  // the nearest step of 2^shift levels from the target, halves to even
+          int8_t* __restrict res = res_out[p] + lo;
+          const int8_t* __restrict code = codes + lo;
+          const int32_t half = shift > 0 ? 1 << (shift - 1) : 0, mask = (1 << shift) - 1, sign = p == 0 ? 1 : -1;
+          for (int64_t i = 0; i < n; ++i) {
+            const int32_t d = static_cast<int32_t>(q[i]) - std::max(sign * code[i], 0) * 512, rem = d & mask;
+            const int32_t r = (d >> shift) + (shift > 0 && (rem > half || (rem == half && ((d >> shift) & 1))));
+            res[i] = static_cast<int8_t>(r < -127 || r > 127 ? kException : r);
+          }
+        }
       }
       if (bits_out[p] != nullptr) {  // lo is a multiple of 8: whole bytes, the first bit the highest
         uint8_t* __restrict out = bits_out[p] + lo / 8;
@@ -1677,13 +1692,18 @@ constexpr uint32_t kDitherSeed = 0x5EED;  // crossbar._DITHER_SEED
 // (a division as a product with the divisor's inverse, contracted into a following sum), so both give the same
 // bits. gp, gm, nu: (gk 256, gn cols) float32; wp, corr sized for two terms; sp, step null
 // without read noise. Returns the terms packed.
-// Cells as sidra_core.cells holds them: with `g_levels` ({g_min, step}) gp, gm are uint16 levels, G =
-// level x step + g_min (Levels.decode); with `bits` (per plane, cells.pack_bits) nu is drawn for
+// Cells as sidra_core.cells holds them: with `g_levels` ({g_min, step}) gp, gm are int8 residuals
+// (cells.Residuals) of the codes' target levels in steps of 2^shift levels, the cells of
+// exc_idx (sorted flat indices, exc_n per plane) at their levels exc_level, G = level x step + g_min
+// (Levels.expand, Levels.decode); with `bits` (per plane, cells.pack_bits) nu is drawn for
 // each cell whose bit is set (drift_exponent of its id, ProgrammedWeight.exponents: tile_ids, the
 // planes' nu_seeds and nu_params {std, mean}), 0 for the others, instead of read from nu_p, nu_m.
 extern "C" int sidra_snapshot(const void* gp, const void* gm, const float* nu_p, const float* nu_m, float age_p,
                               float age_m, int64_t gk, int64_t gn, int64_t cols, int64_t k, int64_t n, float dg,
-                              float var_c, const float* g_levels, const uint8_t* bits_p, const uint8_t* bits_m,
+                              float var_c, const float* g_levels, const int8_t* codes, int32_t shift,
+                              const int64_t* exc_idx_p, const uint16_t* exc_level_p, int64_t exc_n_p,
+                              const int64_t* exc_idx_m, const uint16_t* exc_level_m, int64_t exc_n_m,
+                              const uint8_t* bits_p, const uint8_t* bits_m,
                               const uint32_t* tile_ids, const uint32_t* nu_seeds, const float* nu_params, int8_t* wp,
                               int32_t* corr, uint8_t* sp, float* step) {
   const int64_t ld = gn * cols, nv = (n + kLanes - 1) / kLanes;
@@ -1709,8 +1729,19 @@ extern "C" int sidra_snapshot(const void* gp, const void* gm, const float* nu_p,
       for (int p = 0; p < 2; ++p) {  // the row's cells of each plane, drifted
         float* __restrict out = p == 0 ? xp : yp;
         if (g_levels != nullptr) {
-          const uint16_t* __restrict q = static_cast<const uint16_t*>(p == 0 ? gp : gm) + row * ld + c0;
-          for (int64_t c = 0; c < m; ++c) out[c] = static_cast<float>(q[c]) * g_levels[1] + g_levels[0];
+          const int64_t i0 = row * ld + c0;
+          const int8_t* __restrict res = static_cast<const int8_t*>(p == 0 ? gp : gm) + i0;
+          const int8_t* __restrict code = codes + i0;
+          const int32_t unit = 1 << shift, sign = p == 0 ? 1 : -1;
+          for (int64_t c = 0; c < m; ++c) {
+            const int32_t level = std::max(sign * code[c], 0) * 512 + res[c] * unit;
+            out[c] = static_cast<float>(level) * g_levels[1] + g_levels[0];
+          }
+          const int64_t* const idx = p == 0 ? exc_idx_p : exc_idx_m;
+          const uint16_t* const exact = p == 0 ? exc_level_p : exc_level_m;
+          const int64_t* const end = idx + (p == 0 ? exc_n_p : exc_n_m);
+          for (const int64_t* e = std::lower_bound(idx, end, i0); e < end && *e < i0 + m; ++e)
+            out[*e - i0] = static_cast<float>(exact[e - idx]) * g_levels[1] + g_levels[0];
         } else {
           const float* __restrict a = static_cast<const float*>(p == 0 ? gp : gm) + row * ld + c0;
           for (int64_t c = 0; c < m; ++c) out[c] = a[c];

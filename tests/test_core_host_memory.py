@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sidra_core as sc
-from sidra_core import crossbar, host
+from sidra_core import cells as cells_, crossbar, host
 
 
 @pytest.mark.parametrize("preset", ["y1", "int8", "ideal"])
@@ -17,11 +17,18 @@ def test_the_per_cell_figure_is_what_a_programmed_weight_holds(preset):
     st = sc.program(w, spec, seed=1)
     cells = st.grid.k_padded * st.grid.n_padded
     expect = crossbar.state_bytes_per_cell(spec) * cells
-    # beyond the per-cell arrays only per-column ones (scale, ADC ranges) and per-tile write counts
-    assert expect <= st.host_bytes <= expect + 16 * st.grid.n_padded * st.grid.grid_k
-    # the code, two 16-bit conductances and two drift bits; float mode: the float weight, two
-    # float32 conductances and the bits (sidra_core.cells)
-    assert crossbar.state_bytes_per_cell(spec) == (12.25 if preset == "ideal" else 5.25)
+    # the code, two int8 residuals and two drift bits, and 1 % of each plane's cells held exactly (10
+    # bytes each); float mode: the float weight, two float32 conductances and the bits (sidra_core.cells)
+    assert crossbar.state_bytes_per_cell(spec) == (12.25 if preset == "ideal" else 3.45)
+    fixed = (12.25 if preset == "ideal" else 3.25) * cells
+    exceptions = sum(g.idx.size for g in st.g if isinstance(g, cells_.Residuals))
+    assert exceptions <= crossbar.EXCEPTIONS_ALLOWED * 2 * cells
+    if preset == "int8":  # exact writes: every cell at its code's target
+        assert exceptions == 0
+    # beyond the per-cell arrays only the exceptions, per-column arrays (scale, ADC ranges) and per-tile
+    # write counts
+    extra = 10 * exceptions + 16 * st.grid.n_padded * st.grid.grid_k
+    assert fixed <= st.host_bytes <= fixed + extra and st.host_bytes <= expect + extra
 
 
 def test_a_broadcast_array_holds_only_what_it_stores():
@@ -49,9 +56,9 @@ def test_a_model_too_large_for_the_host_is_refused_up_front(monkeypatch):
     shapes = [(768, 3072), (3072, 768)]
     need = int(crossbar.state_bytes_per_cell(chip.spec) * 2 * 768 * 3072)
     monkeypatch.setattr(host, "available_memory", lambda: need - 1)
-    with pytest.raises(sc.HostMemoryError, match=rf"model needs {need:,} bytes \(23\.6 MiB\) of host memory .*"
-                                                  r"4,718,592 weights on 72 tiles, 5\.25 bytes per cell pair.*"
-                                                  r"23\.6 MiB is available"):
+    with pytest.raises(sc.HostMemoryError, match=rf"model needs {need:,} bytes \(15\.5 MiB\) of host memory .*"
+                                                  r"4,718,592 weights on 72 tiles, 3\.45 bytes per cell pair.*"
+                                                  r"15\.5 MiB is available"):
         chip.check_fits(shapes)
     assert chip.tiles_in_use == 0 and chip.residents == []
     monkeypatch.setattr(host, "available_memory", lambda: need)
