@@ -490,7 +490,7 @@ def test_a_model_too_large_for_the_hosts_memory_is_refused_before_programming(re
         tiles0 = chip.tiles_in_use
         monkeypatch.setattr(host, "available_memory", lambda: 1 << 20)
         with Delta() as d:
-            with pytest.raises(sidra_core.HostMemoryError, match=r"needs 2,752,512 bytes \(2\.6 MiB\) of host memory.*524,288 weights"
+            with pytest.raises(sidra_core.HostMemoryError, match=r"needs 1,808,793 bytes \(1\.7 MiB\) of host memory.*524,288 weights"
                                                                  r".*1\.0 MiB is available"):
                 model(torch.randn(1, 512, device=D))
         assert chip.tiles_in_use == tiles0 and d["cells_programmed"] == 0
