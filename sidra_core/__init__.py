@@ -19,6 +19,7 @@ from .cost import Cost  # noqa: E402
 from .crossbar import ProgrammedWeight, ProgrammingReport, Snapshot, drifted, linear, mvm, mvm_kwargs, program, reprogram, snapshot  # noqa: E402
 from .device import Chip, EnduranceWarning, HostMemoryError, Resident  # noqa: E402
 from .ispp import ISPPResult, program_cells  # noqa: E402
+from .population import Population  # noqa: E402
 from .mapping import ChipCapacityError, ChipMapping, TileGrid, capacity_error, chips_needed, map_weights, system_tiles, tile_grid  # noqa: E402
 from .quant import QuantisedWeight, from_int8, quantise_rows, quantise_weight  # noqa: E402
 from .spec import (PRESETS, ADCSpec, ChipSpec, CostSpec, DACSpec, EngineSpec, ISPPSpec,  # noqa: E402

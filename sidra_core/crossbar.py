@@ -68,6 +68,18 @@ def state_bytes_per_cell(spec: ChipSpec) -> float:
     return 4 + 2 * (4 + 1 / 8)
 
 
+def snapshot_bytes_per_weight(spec: ChipSpec) -> float:
+    """Host bytes of a weight's read snapshot on this host (see `snapshot`): INT8 DAC codes read
+    (whole, fraction) int8 pairs where the host's int8 dots are fast or the VNNI kernel reads (else
+    float32 pairs), float inputs float32 weights; read-noise variances as uint8 levels (VNNI), in
+    the host's narrow float, or float32."""
+    codes = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and spec.quantised
+    packed = codes and host.vnni_dots()
+    weights = 2 if codes and (packed or host.LOW_PRECISION_DOTS) else 8 if codes else 4
+    var = 0 if spec.noise.read_sigma <= 0 else 1 if packed else 2 if host.narrow_float() == "bfloat16" else 4
+    return float(weights + var)
+
+
 @dataclass(frozen=True)
 class ProgrammedWeight:
     """The programmed state of one weight on its tiles (host arrays, padded to the grid).

@@ -154,7 +154,8 @@ def _call(target, shapes):
     if not available():
         raise RuntimeError(f"the VNNI kernel {target} does not run on this host (sidra_core.vnni.available() "
                            "is False): it needs Linux, AVX-512 VNNI and a C++ compiler")
-    return jax.ffi.ffi_call(target, shapes)
+    # (vmapped, as over a population's chips, the kernel runs once per batch entry: the same bits)
+    return jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
 
 
 def pack(w, var, k: int, terms: int):

@@ -250,6 +250,22 @@ class SidraFunction:
 
     # -- calls -----------------------------------------------------------------------
 
+    def population(self, chips, *args, **kwargs):
+        """Call on every chip of `chips` (a sidra_core.Population, or Chips of one spec) in one program.
+
+        Each chip is prepared as a call on it alone is (its crossbar copies programmed at first use,
+        a read snapshot of each, fresh noise seeds, its clock charged), so chip i's outputs are the
+        bits a call on chip i gives; the executor runs once, vmapped over the chips and sharded over
+        JAX's devices. The weights' copies on all chips are checked against the host's memory
+        first (sidra_core.HostMemoryError names the largest chunk that fits).
+
+        Returns:
+            The function's outputs, each with a leading axis of one entry per chip.
+        """
+        from . import population
+
+        return population.call(self, chips, args, kwargs)
+
     def __call__(self, *args, **kwargs):
         global _warned_traced
         t0 = time.perf_counter()
@@ -288,6 +304,13 @@ def run(plan: _plan.Plan, slots: list, values: list, chip: Chip, name: str, lock
     `slots[i]` is leaf i's weight slot (None for data): anything with `fresh(key)`, `resident(key)`
     and `held(key)`. Returns (flat outputs, profiler records or None, the device time it started).
     """
+    snaps, seeds, records, start = prepare(plan, slots, chip, name, lock, record)
+    return plan.executor(snaps, seeds, values, plan.consts), records, start
+
+
+def prepare(plan: _plan.Plan, slots: list, chip: Chip, name: str, lock, record: bool = False):
+    """What `run` does on the chip before the executor runs: (snapshots, seeds, profiler records or
+    None, the device time the call started)."""
     clock = chip.clock
     start = clock.now
     residents = []
@@ -305,10 +328,9 @@ def run(plan: _plan.Plan, slots: list, values: list, chip: Chip, name: str, lock
         snaps = tuple(chip.snapshot(r) for r in residents)
         seeds = np.fromiter((chip.next_seed() for _ in range(plan.n_seeds)), np.uint32, plan.n_seeds)
         clock.charge(plan.total, **plan.counts)
-    out = plan.executor(snaps, seeds, values, plan.consts)
     if record and records is None:
         records = step_records(plan, start, clock.background_w)
-    return out, records, start
+    return snaps, seeds, records, start
 
 
 def step_records(plan: _plan.Plan, start: float, background_w: float, host_s: float = 0.0) -> list:

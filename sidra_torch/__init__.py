@@ -17,6 +17,7 @@ _versions.check("torch", torch.__version__)
 
 from . import profiler  # noqa: E402
 from ._registration import register  # noqa: E402
+from .population import PopulationRun, population  # noqa: E402
 from .runtime import (Event, advance, counters, current_chip, device_time, drift_compensation,  # noqa: E402
                       manual_seed, reset_counters, set_chip, use_chip)
 from .tensor import SidraTensor, unwrap, wrap  # noqa: E402
@@ -24,6 +25,6 @@ from .tensor import SidraTensor, unwrap, wrap  # noqa: E402
 register()
 DEVICE = torch.device("sidra", 0)
 
-__all__ = ["DEVICE", "Event", "profiler", "SidraTensor", "advance", "counters", "current_chip", "device_time",
-           "drift_compensation",
-           "manual_seed", "register", "reset_counters", "set_chip", "unwrap", "use_chip", "wrap"]
+__all__ = ["DEVICE", "Event", "PopulationRun", "profiler", "SidraTensor", "advance", "counters", "current_chip",
+           "device_time", "drift_compensation", "manual_seed", "population", "register", "reset_counters", "set_chip",
+           "unwrap", "use_chip", "wrap"]

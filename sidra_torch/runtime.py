@@ -157,23 +157,30 @@ def set_chip(chip: "str | Path | ChipSpec" = "y1", **overrides) -> Chip:
 
 
 @contextlib.contextmanager
-def use_chip(chip: "str | Path | ChipSpec", **overrides):
+def use_chip(chip: "str | Path | ChipSpec | Chip", **overrides):
     """`with sidra_torch.use_chip("ideal"): ...` runs the block on another chip, then switches back.
 
     Args:
-        chip: A preset name, a TOML path or a ChipSpec.
-        **overrides: Field overrides, as `sidra_core.preset` takes them.
+        chip: A preset name, a TOML path, a ChipSpec, or a sidra_core.Chip itself (one chip of a
+            sidra_core.Population, say).
+        **overrides: Field overrides, as `sidra_core.preset` takes them (not with a Chip).
 
     Returns:
         A context manager that yields the block's sidra_core.Chip.
 
     Raises:
-        ValueError: An unknown preset, or an invalid override.
+        ValueError: An unknown preset, an invalid override, or overrides given with a Chip.
     """
-    spec = sidra_core.resolve(chip, **overrides)
+    if isinstance(chip, Chip):
+        if overrides:
+            raise ValueError("use_chip(chip) of a sidra_core.Chip takes no overrides: its spec is fixed")
+        target = chip
+    else:
+        target = None
+        spec = sidra_core.resolve(chip, **overrides)
     with _STATE.lock:
         previous = current_chip()
-        _STATE.chip = _get_chip(spec, _STATE.seed)
+        _STATE.chip = target if target is not None else _get_chip(spec, _STATE.seed)
     try:
         yield _STATE.chip
     finally:
