@@ -1,6 +1,6 @@
-"""The `sidra` command: `sidra demo`, `sidra info`, `sidra bench MODEL`.
+"""The `sidra` command: `sidra demo`, `sidra info`, `sidra bench MODEL`, `sidra sweep`.
 
-Each subcommand lives in its own module (demo.py, info.py, bench.py) with
+Each subcommand lives in its own module (demo.py, info.py, bench.py, sweep.py) with
 `add_arguments(parser)` and `run(args) -> int`.
 """
 
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "demo": ("sidra_torch.demo", "semantic search with the packaged MiniLM on CPU and on sidra:0, side by side"),
     "info": ("sidra_torch.info", "the chip's properties and the presets"),
     "bench": ("sidra_torch.bench", "simulated latency, energy and host time of a model on the chip"),
+    "sweep": ("sidra_torch.sweep", "a parameter sweep on populations of chips, as a table and a plot"),
 }
 
 

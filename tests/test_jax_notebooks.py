@@ -21,7 +21,8 @@ PNG_LIMIT = 100_000  # bytes, decoded
 
 def test_the_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
-    assert names == ["01_torch_vs_jax.ipynb", "02_digits_noise_drift.ipynb", "03_transformer_encoder.ipynb"]
+    assert names == ["01_torch_vs_jax.ipynb", "02_digits_noise_drift.ipynb", "03_transformer_encoder.ipynb",
+                     "04_populations.ipynb"]
 
 
 def _code_cells(nb):
