@@ -51,18 +51,6 @@ def mlp_params(rng, sizes=(784, 1024, 1024, 10)):
 encoder = snn.encoder_block
 
 
-def encoder_params(rng, d=256, f=1024):
-    def lin(k, n):
-        return {"w": (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32),
-                "b": (0.01 * rng.standard_normal(n)).astype(np.float32)}
-
-    def ln():
-        return {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)}
-
-    return {"q": lin(d, d), "k": lin(d, d), "v": lin(d, d), "o": lin(d, d), "f1": lin(d, f), "f2": lin(f, d),
-            "ln1": ln(), "ln2": ln()}
-
-
 def _kernels_only(f, prog, x, chip):
     """A jitted function running only the plan's crossbar MVMs (sidra_core.crossbar.mvm, same shapes,
     snapshots and settings): the floor sidra_jax cannot go below without changing sidra_core's kernel."""
@@ -120,13 +108,13 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     if args.quick:
         mp, mx = mlp_params(rng, (64, 128, 10)), rng.standard_normal((16, 64)).astype(np.float32)
-        ep, ex = encoder_params(rng, 32, 64), rng.standard_normal((2, 8, 32)).astype(np.float32)
+        ep, ex = snn.encoder_block_params(rng, 32, 64), rng.standard_normal((2, 8, 32)).astype(np.float32)
 
         def mlp_fn(p, x):
             return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
     else:
         mp, mx = mlp_params(rng), rng.standard_normal((256, 784)).astype(np.float32)
-        ep, ex = encoder_params(rng), rng.standard_normal((4, 128, 256)).astype(np.float32)
+        ep, ex = snn.encoder_block_params(rng), rng.standard_normal((4, 128, 256)).astype(np.float32)
         mlp_fn = mlp
     rows = [bench("MLP 784-1024-1024-10, batch 256" if not args.quick else "MLP (quick)", mlp_fn, mp, mx,
                   args.repeat),

@@ -14,7 +14,6 @@ import argparse
 import resource
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from timing import host_kind
@@ -23,14 +22,15 @@ import results
 
 import sidra_core as sc
 import sidra_jax as sj
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_jax_population import _cnn_params, _encoder_params, cnn, encoder  # noqa: E402
+import sidra_jax.nn as snn
+from sidra_jax import tasks
 
 
 def _workloads(rng):
-    return {"digits CNN, batch 64": (cnn, _cnn_params(rng), rng.standard_normal((64, 8, 8, 1)).astype(np.float32)),
-            "encoder block d=64, 2x32 tokens": (encoder, _encoder_params(rng, d=64, ffn=256),
+    """The digits CNN (sidra_jax.tasks, trained) on 64 test images, and an encoder block."""
+    images = tasks.digits_data()[2][:64]
+    return {"digits CNN, batch 64": (tasks.cnn, tasks.trained("cnn"), images),
+            "encoder block d=64, 2x32 tokens": (snn.encoder_block, snn.encoder_block_params(rng, 64, 256),
                                                 rng.standard_normal((2, 32, 64)).astype(np.float32))}
 
 

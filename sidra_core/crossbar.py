@@ -73,7 +73,7 @@ def snapshot_bytes_per_weight(spec: ChipSpec) -> float:
     (whole, fraction) int8 pairs where the host's int8 dots are fast or the VNNI kernel reads (else
     float32 pairs), float inputs float32 weights; read-noise variances as uint8 levels (VNNI), in
     the host's narrow float, or float32."""
-    codes = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and spec.quantised
+    codes = _code_reads(spec, spec.quantised)
     packed = codes and host.vnni_dots()
     weights = 2 if codes and (packed or host.LOW_PRECISION_DOTS) else 8 if codes else 4
     var = 0 if spec.noise.read_sigma <= 0 else 1 if packed else 2 if host.narrow_float() == "bfloat16" else 4
@@ -772,6 +772,12 @@ def _ir_factor(a: float, g_max: float, gp, gm, grid: TileGrid):
     return 1.0 - a * pos * jnp.broadcast_to(load, g.shape).reshape(gp.shape)
 
 
+def _code_reads(spec: ChipSpec, int8_weights: bool) -> bool:
+    """Whether reads take INT8 DAC codes against integer weights in code units (INT8 weights and a
+    DAC of at most 8 bits): the snapshot's integer forms."""
+    return spec.dac.enabled and spec.dac.bits <= _INT8_BITS and int8_weights
+
+
 def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     """Evaluate drift, IR drop and compensation once; MVMs at this time reuse it.
 
@@ -790,7 +796,7 @@ def snapshot(state: ProgrammedWeight, t_now: float, spec: ChipSpec) -> Snapshot:
     # (whole, fraction) integer pairs, whose partial sums are exact integers in any summation order,
     # so a row's result does not depend on the rows read with it (padding, batching); held as int8
     # where the host's int8 dot is its fastest (host.LOW_PRECISION_DOTS), else as float32 integers
-    codes = spec.dac.enabled and spec.dac.bits <= _INT8_BITS and state.target_w is None
+    codes = _code_reads(spec, state.target_w is None)
     packed = codes and host.vnni_dots()
     read = _Read(
         grid=grid, ir_drop=float(n.ir_drop), g_max=float(spec.tile.g_max),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 
 import jax
+import numpy as np
 
 from sidra_core import engine
 
@@ -167,6 +168,20 @@ def batch_norm(x, mean, var, weight=None, bias=None, eps: float = 1e-5):
 
 __all__ = ["relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax", "dot_product_attention",
            "layer_norm", "rms_norm", "batch_norm"]
+
+
+def encoder_block_params(rng, d: int = 256, ffn: int = 1024) -> dict:
+    """Random parameters of `encoder_block` of width d and MLP width ffn from a NumPy Generator:
+    projections scaled 1/sqrt(fan-in), small biases, unit layer norms."""
+    def lin(k, n):
+        return {"w": (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32),
+                "b": (0.01 * rng.standard_normal(n)).astype(np.float32)}
+
+    def ln():
+        return {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)}
+
+    return {"q": lin(d, d), "k": lin(d, d), "v": lin(d, d), "o": lin(d, d), "f1": lin(d, ffn), "f2": lin(ffn, d),
+            "ln1": ln(), "ln2": ln()}
 
 
 def encoder_block(p, x, heads: int = 4, eps: float = 1e-5):

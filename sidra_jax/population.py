@@ -34,15 +34,13 @@ class OnChip:
         self.slot, self.chip = slot, chip
 
     def fresh(self, key):
-        return self.slot.copies.fresh(self.chip, key, self.slot.version)
+        return self.slot.fresh(key, self.chip)
 
     def resident(self, key):
-        s = self.slot
-        with s._lock:
-            return s.copies.get(self.chip, key, s.version, lambda: s.matrix(key), name=s.name)[0]
+        return self.slot.resident(key, self.chip)
 
     def held(self, key) -> bool:
-        return self.slot.copies.held(self.chip, key)
+        return self.slot.held(key, self.chip)
 
 
 def as_population(chips) -> Population:
@@ -95,7 +93,7 @@ def _stacked(fn, snaps: list) -> tuple | None:
     """The chips' snapshots stacked on a leading axis (host arrays), or None where their layouts
     differ; the last stack is kept while the same snapshots are read again."""
     key = tuple(id(s) for per_chip in snaps for s in per_chip)
-    last = getattr(fn, "_population_stack", None)
+    last = fn._population_stack
     if last is not None and last[0] == key:
         return last[2]
     tree = jax.tree.structure(snaps[0])
@@ -114,7 +112,7 @@ def call(fn, chips, args, kwargs):
     pending = {}
     for w in plan.wrefs:
         s = slots[w.leaf]
-        lacking = [c for c in pop if not s.copies.held(c, w.key)]
+        lacking = [c for c in pop if not s.held(w.key, c)]
         if lacking:
             pending[(id(s), w.key)] = ((w.k, w.n), len(lacking))
     if pending:

@@ -105,6 +105,12 @@ def float_accuracy(model: str) -> float:
     return float(np.mean(np.argmax(np.asarray(MODELS[model](trained(model), x)), axis=1) == y))
 
 
+@functools.cache
+def _function(model: str):
+    """One sidra_jax function per model, so points of a sweep share its plans and compiled programs."""
+    return jit(MODELS[model])
+
+
 def digits(model: str) -> Task:
     """Test-split accuracy of the digits `model` ("mlp" or "cnn") on every chip of a population."""
     if model not in MODELS:
@@ -112,7 +118,7 @@ def digits(model: str) -> Task:
 
     def run(pop: Population, t: float) -> list:
         _, _, x, y = digits_data()
-        f = jit(MODELS[model])
+        f = _function(model)
         prog = program(trained(model), pop[0])
         logits = f.population(pop, prog, x)  # programs every chip (a fresh one) and reads it
         if t > 0:

@@ -136,6 +136,7 @@ class SidraFunction:
         self.graph = bool(graph)
         self._plans: dict = {}
         self._executors: dict = {}  # compiled programs, shared by chips whose kernels agree
+        self._population_stack = None  # (key, snapshots, stacked): population.call's last stack
         self._lock = threading.RLock()
         self.traces = 0
 

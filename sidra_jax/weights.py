@@ -104,18 +104,19 @@ class WeightSlot:
         """The K x N matrix the crossbar holds for resident key `key` (see `layout_matrix`)."""
         return layout_matrix(self.host(), key)
 
-    def resident(self, key) -> sidra_core.Resident:
-        """The crossbar copy for `key`, programmed (or incrementally reprogrammed) if needed."""
+    def resident(self, key, chip: Chip | None = None) -> sidra_core.Resident:
+        """The crossbar copy for `key` on `chip` (default: its own), programmed (or incrementally
+        reprogrammed) if needed."""
         with self._lock:
-            return self.copies.get(self.chip, key, self.version, lambda: self.matrix(key), name=self.name)[0]
+            return self.copies.get(chip or self.chip, key, self.version, lambda: self.matrix(key), name=self.name)[0]
 
-    def fresh(self, key) -> sidra_core.Resident | None:
-        """The crossbar copy for `key` if it is programmed and up to date, else None."""
-        return self.copies.fresh(self.chip, key, self.version)
+    def fresh(self, key, chip: Chip | None = None) -> sidra_core.Resident | None:
+        """The crossbar copy for `key` on `chip` (default: its own) if it is programmed and up to date, else None."""
+        return self.copies.fresh(chip or self.chip, key, self.version)
 
-    def held(self, key) -> bool:
-        """Whether the chip holds a copy for `key` (current or not: its tiles are allocated)."""
-        return self.copies.held(self.chip, key)
+    def held(self, key, chip: Chip | None = None) -> bool:
+        """Whether `chip` (default: its own) holds a copy for `key` (current or not: its tiles are allocated)."""
+        return self.copies.held(chip or self.chip, key)
 
     def free(self) -> None:
         """Release this weight's crossbar tiles."""

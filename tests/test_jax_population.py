@@ -42,13 +42,6 @@ def cnn(p, x):  # the digits CNN's shape: 8x8 images, two 3x3 convolutions, a de
     return h.reshape(h.shape[0], -1) @ p["fc"]
 
 
-def _encoder_params(rng, d=32, ffn=64):
-    lin = lambda i, o: {"w": rng.standard_normal((i, o)).astype(np.float32) / np.sqrt(i),  # noqa: E731
-                        "b": np.zeros(o, np.float32)}
-    ln = {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)}
-    return {**{n: lin(d, d) for n in "qkvo"}, "f1": lin(d, ffn), "f2": lin(ffn, d), "ln1": ln, "ln2": dict(ln)}
-
-
 def encoder(p, x):
     return snn.encoder_block(p, x, heads=4)
 
@@ -58,7 +51,7 @@ def _workload(name, rng):
         return mlp, _mlp_params(rng), rng.standard_normal((16, 64)).astype(np.float32)
     if name == "cnn":
         return cnn, _cnn_params(rng), rng.standard_normal((8, 8, 8, 1)).astype(np.float32)
-    return encoder, _encoder_params(rng), rng.standard_normal((2, 8, 32)).astype(np.float32)
+    return encoder, snn.encoder_block_params(rng, 32, 64), rng.standard_normal((2, 8, 32)).astype(np.float32)
 
 
 def _alone(fn, params, x, chip, calls=2):
