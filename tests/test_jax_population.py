@@ -89,6 +89,19 @@ def test_a_population_gives_each_chips_bits_as_running_it_alone(name, preset):
     assert all(len(c.residents) == len(pop[0].residents) > 0 for c in pop)
 
 
+def test_chips_whose_snapshots_differ_in_layout_run_one_by_one(monkeypatch):
+    """Where the chips' snapshots cannot be stacked (_stacked: None), each runs the plan's executor
+    alone: the same bits as the vmapped program."""
+    rng = np.random.default_rng(3)
+    fn, params, x = _workload("mlp", rng)
+    pop = sc.Population.create("y1", n=3, seed=1)
+    prog = sj.program(params, pop[0])
+    monkeypatch.setattr(jpop, "_stacked", lambda fn, snaps: None)
+    y = np.asarray(sj.jit(fn).population(pop, prog, x))
+    for i, chip in enumerate(pop):
+        np.testing.assert_array_equal(y[i], _alone(fn, params, x, chip, calls=1)[0][0])
+
+
 def test_a_chips_seeds_are_fixed_by_its_index():
     a = sc.Population.create("y1", n=6, seed=3)
     b = sc.Population.create("y1", n=2, seed=3, first=4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import pandas as pd
@@ -124,6 +125,12 @@ def test_the_sidra_sweep_command(tmp_path, capsys):
     assert len(pd.read_csv(out.with_suffix(".csv"))) == 4
     assert cli.main(["sweep", "--field", "adc.bits", "--out", str(out)]) == 2
     assert "--field takes NAME=V1,V2" in capsys.readouterr().out
+
+
+def test_a_sweep_on_ray_without_ray_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ModuleNotFoundError, match=r"needs Ray: pip install 'sidra\[ray\]'"):
+        sweep.run(sweep.grid(), tmp_path / "r", chips=1, ray_address="auto", progress=False)
 
 
 @pytest.mark.slow
